@@ -13,7 +13,7 @@ extras = {
     # for fastcore>=1.12.3, but only fastcore 1.8.18 + execnb 0.1.16 work with it.
     "dev": ["fastcore==1.8.18", "execnb==0.1.16", "astunparse", "watchdog", "asttokens",
             "PyYAML", "packaging", "pytest", "pytest-timeout", "hypothesis", "jupytext", "gguf",
-            "openai"],  # the official client, used by tests/test_server.py,
+            "openai"],  # the official OpenAI client, used by tests/test_server.py
     "embedded": ["gguf"],
     "serve": ["fastapi", "uvicorn", "prometheus-client"],
 }
