@@ -13,7 +13,9 @@ extras = {
     # for fastcore>=1.12.3, but only fastcore 1.8.18 + execnb 0.1.16 work with it.
     "dev": ["fastcore==1.8.18", "execnb==0.1.16", "astunparse", "watchdog", "asttokens",
             "PyYAML", "packaging", "pytest", "pytest-timeout", "hypothesis", "jupytext", "gguf",
-            "openai"],  # the official OpenAI client, used by tests/test_server.py
+            "openai",  # the official OpenAI client, used by tests/test_server.py
+            # the docs site (`make docs`, nbs/95_docs_site.ipynb) and its headless-browser test
+            "sphinx==9.0.4", "myst-nb==1.4.0", "furo==2025.12.19", "websocket-client==1.9.2"],
     "embedded": ["gguf"],
     "serve": ["fastapi", "uvicorn", "prometheus-client"],
 }
