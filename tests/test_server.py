@@ -1,0 +1,249 @@
+"""The OpenAI-compatible server end to end, driven by the official `openai` client.
+
+The server runs in-process on 127.0.0.1 (a free port) over two engines: the real `LLMEngine` with a tiny
+random-weight llama checkpoint, and the model-free `FakeLLMEngine` (chapter 50), which keeps the HTTP
+layer covered even where the engine changes. Every test is a few requests of a few tokens."""
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app_for_engine
+from minivllm.v1.engine.async_llm import AsyncLLM
+
+API_KEY = "sk-minivllm-test"
+
+
+def _real_engine(tmp_path_factory):
+    llm_engine = pytest.importorskip("minivllm.v1.engine.llm_engine")
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.testing import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
+    return llm_engine.LLMEngine.from_engine_args(EngineArgs(model=ckpt, max_model_len=512, seed=0,
+                                                            enable_prefix_caching=True, max_num_seqs=16))
+
+
+def _fake_engine(tmp_path_factory):
+    from minivllm.v1.engine.fake_engine import FakeLLMEngine
+    return FakeLLMEngine(max_model_len=1024, step_delay=0.002)
+
+
+def num_free_blocks(engine) -> int:
+    "Free KV blocks of the engine (the fake keeps a counter; the real one asks its block pool)."
+    if hasattr(engine, "num_free_blocks"): return engine.num_free_blocks
+    core = engine.engine_core
+    core = getattr(core, "engine_core", core)
+    return core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def is_fake(server) -> bool: return type(server.engine).__name__ == "FakeLLMEngine"
+
+
+class Server:
+    def __init__(self, engine):
+        self.engine = engine
+        self.llm = AsyncLLM(engine)
+        self.app = build_app_for_engine(self.llm, ["tiny"], api_key=API_KEY)
+        self.thread = ServerThread(self.app).start()
+        self.url = self.thread.url
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def post(self, path, body=None, raw=None, key=API_KEY):
+        "POST JSON (or raw bytes); (status, parsed JSON body)."
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json",
+                                                                           "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r: return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e: return e.code, json.loads(e.read())
+
+    def get(self, path) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r: return r.read().decode()
+
+    def count_tokens(self, **body) -> int:
+        status, res = self.post("/tokenize", {"model": "tiny", **body})
+        assert status == 200, res
+        return res["count"]
+
+    def wait_idle(self, timeout=30.0):
+        "Wait (polling) until the engine has no request left; the deadline only keeps a broken test from hanging."
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished_requests() or self.llm.get_num_unfinished_requests():
+            assert time.monotonic() < deadline, "engine did not become idle"
+            time.sleep(0.01)
+
+    def stop(self):
+        self.thread.stop()
+        self.llm.shutdown()
+
+
+@pytest.fixture(scope="module", params=["real", "fake"])
+def server(request, tmp_path_factory):
+    make = _real_engine if request.param == "real" else _fake_engine
+    srv = Server(make(tmp_path_factory))
+    yield srv
+    srv.stop()
+
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Count to three."}]
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+    assert server.get("/health") == ""
+
+
+def test_completion_usage_counts(server):
+    prompt = "The quick brown fox"
+    r = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.usage.prompt_tokens == server.count_tokens(prompt=prompt)
+    assert r.usage.completion_tokens == 6 == len(r.choices[0].logprobs.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert r.choices[0].finish_reason == "length"
+    assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
+
+
+def test_chat_multi_turn(server):
+    r = server.client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=5, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == server.count_tokens(messages=CHAT)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_streaming_chat_matches_greedy(server):
+    kw = dict(model="tiny", messages=CHAT, max_completion_tokens=12, temperature=0)
+    whole = server.client.chat.completions.create(**kw)
+    chunks = list(server.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streaming_completion_matches_greedy(server):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    whole = server.client.completions.create(**kw)
+    text = "".join(c.choices[0].text for c in server.client.completions.create(**kw, stream=True) if c.choices)
+    assert text == whole.choices[0].text
+
+
+def test_n2(server):
+    r = server.client.chat.completions.create(model="tiny", messages=CHAT, n=2, max_completion_tokens=8, temperature=1.0,
+                                              seed=1234, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16
+    again = server.client.chat.completions.create(model="tiny", messages=CHAT, n=2, max_completion_tokens=8, temperature=1.0,
+                                                  seed=1234, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]   # seeded: reproducible
+
+
+def test_stop_string(server):
+    if is_fake(server): pytest.skip("the fake engine has no stop strings")
+    kw = dict(model="tiny", prompt="Numbers:", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    text = server.client.completions.create(**kw).choices[0].text
+    assert len(text) >= 6
+    stop = text[3:5]
+    cut = text.find(stop)
+    r = server.client.completions.create(**kw, stop=[stop])
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop
+
+
+def test_logprobs(server):
+    r = server.client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    for tok_lp, tops in zip(lp.token_logprobs, lp.top_logprobs):
+        assert tok_lp <= 0 and 1 <= len(tops) <= 3
+        assert abs(tok_lp - max(tops.values())) < 1e-4       # greedy: the sampled token is the most likely
+    c = server.client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+
+
+BAD = [  # (path, body or raw bytes, expected param, words the message must contain)
+    ("/v1/completions", b"{this is not json", None, "JSON"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "lots"}, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, "model", "no-such-model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hello " * 2000}, "prompt", "maximum context length"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100_000}, "max_tokens", "maximum context length"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p", "top_p"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 0}, "n", "n"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "presence_penalty": 5}, "presence_penalty", "presence_penalty"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "top_k": -5}, "top_k", "top_k"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages", "role"),
+    ("/v1/chat/completions", {"model": "tiny"}, "messages", "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_request_then_good_one(server, path, body, param, words):
+    status, err = server.post(path, raw=body) if isinstance(body, bytes) else server.post(path, body)
+    assert status == 400, err
+    assert set(err) == {"error"} and err["error"]["code"] == 400 and err["error"]["param"] == param
+    assert words in err["error"]["message"]
+    ok = server.client.completions.create(model="tiny", prompt="fine", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_api_key(server):
+    status, err = server.post("/v1/completions", {"model": "tiny", "prompt": "x"}, key="wrong")
+    assert status == 401 and err["error"]["code"] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_client_disconnect_frees_kv_blocks(server):
+    server.wait_idle()
+    idle = num_free_blocks(server.engine)
+    stream = server.client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=100, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+    got = [c for _, c in zip(range(3), stream)]
+    assert len(got) == 3 and num_free_blocks(server.engine) < idle
+    stream.close()
+    server.wait_idle()
+    deadline = time.monotonic() + 30
+    while num_free_blocks(server.engine) != idle:
+        assert time.monotonic() < deadline, (num_free_blocks(server.engine), idle)
+        time.sleep(0.01)
+
+
+def _metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(server.get("/metrics")) for s in fam.samples}
+
+
+def test_metrics_move_by_known_amounts(server):
+    server.wait_idle()
+    m = (("model_name", "tiny"),)
+    ok = (("finished_reason", "length"), ("model_name", "tiny"))
+    before = _metrics(server)
+    prompt = "Metrics are counted"
+    r = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = _metrics(server)
+    def delta(key): return after.get(key, 0.0) - before.get(key, 0.0)
+    assert delta(("vllm:prompt_tokens_total", m)) == r.usage.prompt_tokens == server.count_tokens(prompt=prompt)
+    assert delta(("vllm:generation_tokens_total", m)) == 5
+    assert delta(("vllm:request_success_total", ok)) == 1
+    assert delta(("vllm:e2e_request_latency_seconds_count", m)) == 1
+    assert delta(("vllm:time_to_first_token_seconds_count", m)) == 1
+    assert delta(("vllm:request_time_per_output_token_seconds_count", m)) == 1
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hit_rate"):
+        assert (name, m) in after, name
