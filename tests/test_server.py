@@ -247,3 +247,20 @@ def test_metrics_move_by_known_amounts(server):
     assert delta(("vllm:request_time_per_output_token_seconds_count", m)) == 1
     for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hit_rate"):
         assert (name, m) in after, name
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server):
+    import threading
+    kw = dict(model="tiny", messages=CHAT, max_completion_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    expected = server.client.chat.completions.create(**kw).choices[0].message.content
+    got = {}
+    def consume():
+        got["text"] = "".join(c.choices[0].delta.content or "" for c in server.client.chat.completions.create(**kw, stream=True)
+                              if c.choices)
+    t = threading.Thread(target=consume)
+    t.start()
+    for path, body, _, _ in BAD:
+        status, _ = server.post(path, raw=body) if isinstance(body, bytes) else server.post(path, body)
+        assert status == 400
+    t.join(60)
+    assert got["text"] == expected
