@@ -35,7 +35,11 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in one paragraph.", "Write a haiku about the sea.",
@@ -224,7 +228,8 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
     code = ("import argparse,sys; from minivllm.entrypoints.openai.cli_args import cmd_init\n"
             "p=argparse.ArgumentParser(); sub=p.add_subparsers(); [c.subparser_init(sub) for c in cmd_init()]\n"
             "a=p.parse_args(sys.argv[1:]); a.dispatch_function(a)")
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.startup_timeout
     while True:
