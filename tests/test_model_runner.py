@@ -241,11 +241,13 @@ def test_runner_greedy_equals_transformers(tiny_llama):
     n_new = 6
     out1, out2 = [], []
     # step 1: p1's first chunk (13 tokens), p2 whole; step 2: p1's last 8 tokens + p2 decode
-    o = _step(runner, [_new("p1", p1, [1, 2]), _new("p2", p2, [3])], nst={"p1": 13, "p2": 6})
-    assert o.sampled_token_ids[o.req_id_to_index["p1"]] == []
+    sp1 = SamplingParams(temperature=0, prompt_logprobs=2)
+    o = _step(runner, [_new("p1", p1, [1, 2], sp1), _new("p2", p2, [3])], nst={"p1": 13, "p2": 6})
+    assert o.sampled_token_ids[o.req_id_to_index["p1"]] == [] and "p1" not in o.prompt_logprobs_dict
     out2 += o.sampled_token_ids[o.req_id_to_index["p2"]]
     o = _step(runner, cached=_cached(["p1", "p2"], [13, 6], [0, 1]), nst={"p1": 8, "p2": 1})
     out1 += o.sampled_token_ids[o.req_id_to_index["p1"]]; out2 += o.sampled_token_ids[o.req_id_to_index["p2"]]
+    prompt_lp = o.prompt_logprobs_dict["p1"]  # complete once the second chunk ends the prompt
     while len(out1) < n_new:
         o = _step(runner, cached=_cached(["p1", "p2"], [len(p1) + len(out1) - 1, len(p2) + len(out2) - 1],
                                          [len(out1), len(out2)]), nst={"p1": 1, "p2": 1})
@@ -255,6 +257,10 @@ def test_runner_greedy_equals_transformers(tiny_llama):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
         assert ours == ref
+    ref_lp = hf(torch.tensor([p1])).logits[0, :-1].log_softmax(-1)
+    assert prompt_lp.logprob_token_ids[:, 0].tolist() == p1[1:]
+    assert torch.allclose(prompt_lp.logprobs[:, 0], ref_lp.gather(1, torch.tensor(p1[1:])[:, None])[:, 0], atol=1e-4)
+    assert torch.allclose(prompt_lp.logprobs[:, 1:], ref_lp.topk(2, dim=-1).values, atol=1e-4)
 
 
 def test_uniproc_executor_startup_and_steps(tiny_llama):
