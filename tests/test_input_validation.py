@@ -1,0 +1,119 @@
+"""Bad input gets a clear ValueError naming the field and the allowed range, raised before it reaches the
+engine; the engine is unharmed (running requests continue, the next call succeeds). Greedy is argmax."""
+import json
+
+import pytest
+
+from minivllm.entrypoints.llm import LLM
+from minivllm.sampling_params import SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt, dtype="float32", max_model_len=MAX_MODEL_LEN)
+
+
+GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+BAD_PARAMS = [  # (kwargs, words the message must contain)
+    (dict(max_tokens=0), ["max_tokens", "at least 1"]),
+    (dict(max_tokens=-3), ["max_tokens", "at least 1"]),
+    (dict(temperature=-0.5), ["temperature", "non-negative"]),
+    (dict(top_p=0.0), ["top_p", "(0, 1]"]),
+    (dict(top_p=1.5), ["top_p", "(0, 1]"]),
+    (dict(top_k=-2), ["top_k", "-1"]),
+    (dict(min_p=-0.1), ["min_p", "[0, 1]"]),
+    (dict(min_p=1.1), ["min_p", "[0, 1]"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,words", BAD_PARAMS)
+def test_bad_sampling_params(llm, kwargs, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    for w in words: assert w in str(e.value), str(e.value)
+    # the same value set after construction is caught by the InputProcessor before the engine
+    sp = SamplingParams()
+    for k, v in kwargs.items(): setattr(sp, k, v)
+    with pytest.raises(ValueError) as e:
+        llm.generate("hello", sp, use_tqdm=False)
+    assert list(kwargs)[0] in str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate("hello", GOOD, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("prompt,words", [
+    ("", ["prompt", "empty"]),
+    ([], ["prompt"]),
+    ({"prompt_token_ids": []}, ["prompt", "empty"]),
+    ([7] * MAX_MODEL_LEN, ["max_model_len=64", "at least one token"]),
+    ([7] * (MAX_MODEL_LEN + 10), ["max_model_len=64"]),
+    ([7, 10 ** 6], ["out of vocabulary"]),
+])
+def test_bad_prompts(llm, prompt, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate(["fine prompt", prompt], GOOD, use_tqdm=False)   # the good one is withdrawn too
+    for w in words: assert w in str(e.value), str(e.value)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.engine_core.engine_core.scheduler.get_num_unfinished_requests() == 0
+    assert len(llm.generate("hello", GOOD, use_tqdm=False)) == 1
+
+
+def test_longest_allowed_prompt(llm):
+    out = llm.generate({"prompt_token_ids": [7] * (MAX_MODEL_LEN - 1)}, SamplingParams(max_tokens=10, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_running_requests_survive_a_bad_request(llm):
+    engine = llm.llm_engine
+    engine.add_request("ok", "hello there", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError):
+        engine.add_request("bad", "", GOOD)
+    bad = SamplingParams()
+    bad.max_tokens = 0
+    with pytest.raises(ValueError):
+        engine.add_request("bad2", "x", bad)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) == 8
+
+
+def test_missing_model_folder():
+    with pytest.raises(ValueError) as e:
+        LLM("/no/such/model/folder")
+    assert "model" in str(e.value)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = make_tiny_checkpoint("llama", tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["MadeUpForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    assert "MadeUpForCausalLM" in str(e.value) or "architecture" in str(e.value)
+
+
+def test_greedy_is_argmax(llm):
+    prompts = ["hello world", "the cat", {"prompt_token_ids": [5, 9, 13, 17]}]
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                                          use_tqdm=False)]
+    variants = [SamplingParams(temperature=0, seed=s, top_k=k, top_p=p, max_tokens=8, ignore_eos=True)
+                for s, k, p in [(1, 5, 0.5), (123, 0, 0.1), (None, 50, 1.0)]]
+    variants.append(SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True, seed=7))
+    variants.append(SamplingParams(temperature=0.7, top_k=1, max_tokens=8, ignore_eos=True))
+    for sp in variants:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == base, sp
