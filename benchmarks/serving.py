@@ -225,9 +225,7 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
     if args.max_model_len: argv += ["--max-model-len", str(args.max_model_len)]
     if args.dtype: argv += ["--dtype", args.dtype]
     if args.api_key: argv += ["--api-key", args.api_key]
-    code = ("import argparse,sys; from minivllm.entrypoints.openai.cli_args import cmd_init\n"
-            "p=argparse.ArgumentParser(); sub=p.add_subparsers(); [c.subparser_init(sub) for c in cmd_init()]\n"
-            "a=p.parse_args(sys.argv[1:]); a.dispatch_function(a)")
+    code = "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())"   # = `minivllm serve ...`
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -264,3 +264,42 @@ def test_bad_requests_do_not_disturb_a_running_stream(server):
         assert status == 400
     t.join(60)
     assert got["text"] == expected
+
+
+def test_minivllm_serve_cli(tmp_path):
+    "`minivllm serve CKPT --port P ...` in its own process answers the openai client, then stops on SIGTERM."
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("minivllm.v1.engine.llm_engine")
+    from minivllm.testing import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
+                             "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "alias",
+                             "--api-key", API_KEY, "--max-model-len", "256", "--max-num-seqs", "8", "--block-size", "16",
+                             "--no-enable-prefix-caching", "--seed", "3", "--uvicorn-log-level", "warning"], cwd=repo, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "server exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2); break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+        r = client.chat.completions.create(model="alias", messages=CHAT, max_completion_tokens=4, extra_body={"ignore_eos": True})
+        assert r.model == "alias" and r.usage.completion_tokens == 4
+        models = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})).read())
+        assert models["data"][0]["max_model_len"] == 256
+    finally:
+        proc.terminate()
+        proc.wait(30)
