@@ -228,7 +228,7 @@ def _start_chromium(profile: Path):
          "--remote-debugging-address=127.0.0.1",
          # network off: every non-file request goes to a dead proxy, every host name fails to resolve
          "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-         "--window-size=1280,1600", "--hide-scrollbars", "about:blank"],
+         "--disable-dev-shm-usage", "--window-size=1280,1600", "--hide-scrollbars", "about:blank"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     port_file, deadline = profile / "DevToolsActivePort", time.time() + 30
     while not (port_file.exists() and port_file.read_text().strip()):
