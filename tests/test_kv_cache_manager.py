@@ -18,7 +18,7 @@ from minivllm.v1.core.kv_cache_utils import (BlockHashListWithBlockSize, get_has
                                              init_none_hash)
 from minivllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager, SlidingWindowManager
 from minivllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec)
+                                            KVCacheGroupSpec, KVCacheTensor, MambaSpec, SlidingWindowSpec)
 from minivllm.v1.request import Request
 
 BS, MAX_LEN = 2, 24
@@ -143,11 +143,22 @@ class HybridKVCacheManagerMachine(KVCacheManagerMachine):
     NUM_BLOCKS = 24
 
 
+class ThreeTypeKVCacheManagerMachine(KVCacheManagerMachine):
+    "Full attention + Mamba (align mode) + chunked local attention: three attention groups, so the hybrid"
+    "coordinator iterates to its fixed point instead of stopping after one round."
+    SPECS = (FULL,
+             MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align"),
+             ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32,
+                                       attention_chunk_size=4))
+    NUM_BLOCKS = 30
+
+
 _settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
-KVCacheManagerMachine.TestCase.settings = _settings
-HybridKVCacheManagerMachine.TestCase.settings = _settings
+for _m in (KVCacheManagerMachine, HybridKVCacheManagerMachine, ThreeTypeKVCacheManagerMachine):
+    _m.TestCase.settings = _settings
 TestKVCacheManager = KVCacheManagerMachine.TestCase
 TestHybridKVCacheManager = HybridKVCacheManagerMachine.TestCase
+TestThreeTypeKVCacheManager = ThreeTypeKVCacheManagerMachine.TestCase
 
 
 # ---- the seeds' worked examples -------------------------------------------------------------------------------
