@@ -218,7 +218,7 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
     model = args.model
     if args.tiny:
         from minivllm.testing import make_tiny_checkpoint
-        model = make_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="tiny-llama-"))
+        model = args.model = make_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="tiny-llama-"))
     port = free_port()
     argv = ["serve"] + ([model] if model else []) + ["--host", "127.0.0.1", "--port", str(port), "--served-model-name",
             args.model_name, "--uvicorn-log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
@@ -246,6 +246,7 @@ def check_offline(args, prompts, results) -> None:
     used = sorted({r.prompt_idx for r in results if r.ok})
     kw = {"model": args.model} if args.model else {}
     if args.dtype: kw["dtype"] = args.dtype
+    if args.max_model_len: kw["max_model_len"] = args.max_model_len
     llm = LLM(**kw, max_num_seqs=args.max_num_seqs)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     if args.endpoint == "/v1/chat/completions":
