@@ -299,3 +299,73 @@ def test_executor_get_class_rejects_unimplemented_backends(tiny_llama):
         cfg.parallel_config.distributed_executor_backend = backend
         with pytest.raises(NotImplementedError, match="distributed_executor_backend"):
             Executor.get_class(cfg)
+
+
+class _SmallKernelBackend(_SumBackend):
+    "A backend whose kernel only handles 4-token blocks: 8-token allocation blocks are split in two."
+    @staticmethod
+    def get_supported_kernel_block_sizes(): return [4]
+
+
+class _TwoGroupModel(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.a0, self.a1 = _SumAttention("layers.0.attn"), _SumAttention("layers.1.attn")
+        self.a1.attn_backend = _SmallKernelBackend
+
+    def forward(self, input_ids, positions):
+        x = input_ids.float()
+        return ((self.a0(x) + self.a1(x)) / 2).unsqueeze(-1)  # equals the sum only if both groups read right
+
+    def compute_logits(self, h): return 100.0 * F.one_hot(h[:, 0].long() % self.vocab, self.vocab).float()
+
+
+def test_two_kv_cache_groups_with_split_kernel_blocks(tmp_path):
+    runner = _toy_runner(tmp_path)
+    runner.model = _TwoGroupModel(50)
+    s4 = FullAttentionSpec(4, 1, 1, torch.float32)
+    s8 = FullAttentionSpec(8, 1, 1, torch.float32)
+    num_blocks = 12  # per group, in allocation blocks; one tensor per layer
+    runner.initialize_kv_cache(KVCacheConfig(
+        num_blocks, [KVCacheTensor(num_blocks * s4.page_size_bytes, ["layers.0.attn"]),
+                     KVCacheTensor(num_blocks * s8.page_size_bytes, ["layers.1.attn"])],
+        [KVCacheGroupSpec(["layers.0.attn"], s4), KVCacheGroupSpec(["layers.1.attn"], s8)]))
+    bt0, bt1 = runner.input_batch.block_table[0], runner.input_batch.block_table[1]
+    assert (bt0.block_size, bt1.block_size, bt1.blocks_per_kv_block) == (4, 4, 2)
+    assert runner.model.a0.kv_cache.shape[1:3] == (12, 4) and runner.model.a1.kv_cache.shape[1:3] == (24, 4)
+    a, b = list(range(1, 12)), [7, 8, 9]  # 11 and 3 prompt tokens
+    out = _step(runner, [NewRequestData("a", a, [], SamplingParams(temperature=0), None, ([1, 2], [1]), 0),
+                         NewRequestData("b", b, [], SamplingParams(temperature=0), None, ([5], [4]), 0)],
+                nst={"a": 6, "b": 3})
+    b.append(_nxt(b))
+    assert out.sampled_token_ids == [[], [b[-1]]]
+    assert bt1.get_numpy_array()[0, :2].tolist() == [2, 3] and bt1.get_numpy_array()[1, :2].tolist() == [8, 9]
+    runner.model.a1.kv_cache[:, 4:8] = 1000.0  # kernel blocks of group-1 blocks 2, 3 (unused) must not be read
+    out = _step(runner, cached=CachedRequestData(["a", "b"], set(), [[], []], {}, [([3], [6]), None], [6, 3], [0, 1]),
+                nst={"a": 5, "b": 1})
+    a.append(_nxt(a)); b.append(_nxt(b))
+    assert out.sampled_token_ids == [[a[-1]], [b[-1]]]
+    out = _step(runner, cached=CachedRequestData(["a", "b"], set(), [[], []], {}, [None, None], [11, 4], [1, 2]),
+                nst={"a": 1, "b": 1})
+    a.append(_nxt(a)); b.append(_nxt(b))
+    assert out.sampled_token_ids == [[a[-1]], [b[-1]]]
+
+
+# ---------------------------------------------------------------- sampler
+def test_sampler_greedy_is_argmax_and_seeded_rows_ignore_batch():
+    from minivllm.v1.sample.metadata import SamplingMetadata
+    from minivllm.v1.sample.sampler import Sampler
+    sampler = Sampler()
+    lg = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
+    ps = [SamplingParams(temperature=0, seed=4, top_k=5, top_p=0.3), SamplingParams(temperature=0.5, top_k=1),
+          SamplingParams(temperature=0)]
+    assert sampler(lg.clone(), SamplingMetadata.from_params(ps, 100)).sampled_token_ids[:, 0].tolist() == lg.argmax(-1).tolist()
+
+    def draw(batch, row):
+        logits = torch.randn(batch, 100)
+        logits[row] = lg[0]
+        md = SamplingMetadata.from_params([SamplingParams(temperature=1.0, top_p=0.95)] * batch, 100,
+                                          generators={row: torch.Generator().manual_seed(9)})
+        return [sampler(logits.clone(), md).sampled_token_ids[row, 0].item() for _ in range(1)]
+    assert draw(1, 0) == draw(6, 4)
