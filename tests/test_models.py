@@ -93,3 +93,18 @@ def test_dummy_run_matches_single_prompt(models):
         logits = ours.compute_logits(ours(ids, torch.arange(len(ids))))
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
     assert (logits - ref).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bfloat16_runs_close_to_float32(arch, tmp_path):
+    "The bf16 path (bf16 weights and KV cache) stays within bf16 rounding of the float32 logits."
+    ckpt = make_tiny_checkpoint(arch, tmp_path, seed=3)
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        model = get_model(VllmConfig(ModelConfig(ckpt, dtype=dtype), device_config=DeviceConfig("cpu")))
+        assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+        h = PagedModelHarness(model, block_size=16, num_blocks=16)
+        first = h.step({"a": list(range(5, 30)), "b": [7, 8, 9]})
+        logits[dtype] = torch.cat([first, h.step({"a": [3], "b": [4]})])
+        assert logits[dtype].dtype == torch.float32
+    assert (logits["float32"] - logits["bfloat16"]).abs().max().item() < 0.15
