@@ -26,10 +26,13 @@ demo: install
 
 test: install
 	$(BIN)/nbdev_test --n_workers 2 --do_print --timing
+	# The Triton kernels' notebooks (a second nbdev package: nbs/kernels/settings.ini -> kernels/).
+	cd nbs/kernels && ../../$(BIN)/nbdev_test --n_workers 2 --do_print --timing
 	$(BIN)/python -m pytest -q tests -m "not slow"
 
 export: install
 	$(BIN)/nbdev_export
+	cd nbs/kernels && ../../$(BIN)/nbdev_export
 
 clean-nbs: install
 	$(BIN)/nbdev_clean
