@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.docs_build import (KEY_NAMES, MAIN_SEED, build_site, discover_chapters, find_repo, find_seeds,
+from minivllm.docs_build import (DIAGRAM_FENCE, KEY_NAMES, MAIN_SEED, build_site, discover_chapters, find_repo, find_seeds,
                                  module_api)
 
 REPO = find_repo(Path(__file__).parent)
@@ -89,6 +89,13 @@ def test_mermaid_blocks_become_diagram_containers(site, chapters):
         assert page.count('<pre class="mermaid">') >= n_fences, ch.stem
         assert "language-mermaid" not in page and "highlight-mermaid" not in page, ch.stem  # not a code block
         assert 'src="_static/mermaid.min.js' in page and 'src="_static/mermaid-init.js' in page, ch.stem
+
+
+def test_diagrams_use_one_fence(chapters):
+    "Every diagram opens with the project's one fence, `DIAGRAM_FENCE` (see nbs/95_docs_site.ipynb)."
+    for ch in chapters:
+        for m in _MERMAID_FENCE.finditer(_markdown(ch.path)):
+            assert m.group(0).strip() == DIAGRAM_FENCE, f"{ch.path.name}: use {DIAGRAM_FENCE}, not {m.group(0).strip()!r}"
 
 
 def test_no_page_loads_anything_from_outside(site):
