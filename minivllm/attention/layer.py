@@ -5,7 +5,6 @@
 # %% ../../nbs/32_attention.ipynb #c2bf7047
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -15,22 +14,11 @@ from ..forward_context import get_forward_context
 from ..v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 # %% auto #0
-__all__ = ['get_attn_backend', 'Attention']
+__all__ = ['Attention']
 
 # %% ../../nbs/32_attention.ipynb #73e13ece
-_ATTENTION_BACKENDS: dict[str, str] = {
-    "TORCH_REF": "minivllm.v1.attention.backends.torch_ref:TorchRefAttentionBackend",
-}
-
-def get_attn_backend(head_size: int | None = None, dtype: torch.dtype | None = None, block_size: int | None = None) -> type:
-    """The attention backend class: env `MINIVLLM_ATTENTION_BACKEND` (a name in `_ATTENTION_BACKENDS`) or "TORCH_REF".
-
-    Raises `ValueError` naming the variable for an unknown name. Source: vLLM attention/selector.py `get_attn_backend`."""
-    name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF").upper()
-    if name not in _ATTENTION_BACKENDS:
-        raise ValueError(f"MINIVLLM_ATTENTION_BACKEND={name!r} is not supported; supported: {sorted(_ATTENTION_BACKENDS)}")
-    module, cls = _ATTENTION_BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+# The choice (Triton on CUDA, torch reference on the CPU, env override) lives in `attention.selector`.
+from .selector import get_attn_backend
 
 # %% ../../nbs/32_attention.ipynb #6e006aa1
 class Attention(nn.Module):

@@ -54,12 +54,13 @@ class AttentionGroup:
 
     def get_metadata_builder(self) -> Any: return self.metadata_builder
 
-def get_attn_backend_of(layer: nn.Module) -> Any:
-    "The attention backend class a layer asks for (`get_attn_backend()` / `attn_backend`), else the torch reference."
+def get_attn_backend_of(layer: nn.Module, device: torch.device | str | None = None) -> Any:
+    "The attention backend class a layer asks for (`get_attn_backend()` / `attn_backend`), else the selector's for `device`."
     if hasattr(layer, "get_attn_backend"): return layer.get_attn_backend()
     backend = getattr(layer, "attn_backend", None)
     if backend is None:
-        from minivllm.v1.attention.backends.torch_ref import TorchRefAttentionBackend as backend
+        from minivllm.attention.selector import get_attn_backend
+        backend = get_attn_backend(getattr(layer, "head_size", None), device=device)
     return backend
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #fa669896
@@ -138,7 +139,7 @@ def _initialize_attn_backend(self: GPUModelRunner, kv_cache_config: KVCacheConfi
     self.attn_groups = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         by_backend: dict[Any, list[str]] = {}
-        for name in group.layer_names: by_backend.setdefault(get_attn_backend_of(layers[name]), []).append(name)
+        for name in group.layer_names: by_backend.setdefault(get_attn_backend_of(layers[name], self.device), []).append(name)
         self.attn_groups.append([
             AttentionGroup(b, names, group.kv_cache_spec, gid,
                            b.get_builder_cls()(group.kv_cache_spec, names, self.vllm_config, self.device))
