@@ -74,10 +74,15 @@ _TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _TINY_ARCH = {"llama": ("LlamaConfig", {}),
               "qwen2": ("Qwen2Config", {}),
-              "qwen3": ("Qwen3Config", {"head_dim": 32})}  # explicit head_dim != hidden / heads
+              "qwen3": ("Qwen3Config", {"head_dim": 32}),  # explicit head_dim != hidden / heads
+              # Gemma 3 text: layer 0 slides (window 8), layer 1 is global; scalar != head_dim; two RoPEs; soft cap; tied
+              "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                              "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                              "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                              "final_logit_softcapping": 5.0, "tie_word_embeddings": True})}
 
 def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **config_overrides) -> str:
-    """Write a tiny random-weight Hugging Face checkpoint of `arch` ("llama", "qwen2", "qwen3") into folder `path`.
+    """Write a tiny random-weight Hugging Face checkpoint of `arch` ("llama", "qwen2", "qwen3", "gemma3") into folder `path`.
 
     float32 weights (model.safetensors), config.json (width 64, 2 layers, 4 heads, 2 KV heads, vocab 512, 512
     positions unless overridden by `config_overrides`, e.g. `rope_scaling=...`, `tie_word_embeddings=True`),

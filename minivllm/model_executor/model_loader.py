@@ -50,6 +50,7 @@ ModelRegistry = _ModelRegistry({
     "MistralForCausalLM": f"{_MODELS}.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": f"{_MODELS}.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": f"{_MODELS}.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
 })
 
 def get_model_architecture(model_config: Any) -> tuple[type[nn.Module], str]:
