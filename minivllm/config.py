@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .compilation_config import CUDAGraphMode, CompilationConfig  # re-exported: vLLM has them in vllm.config
+
 # %% auto #0
 __all__ = ['resolve_dtype', 'ModelConfig', 'CacheConfig', 'SchedulerConfig', 'ParallelConfig', 'DeviceConfig', 'VllmConfig']
 
@@ -185,3 +187,4 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: Any = None  # KV connectors (later chapter)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)  # CUDA graphs (chapter 01a)
