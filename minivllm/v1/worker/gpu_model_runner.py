@@ -303,7 +303,87 @@ GPUModelRunner._get_cumsum_and_arange = _get_cumsum_and_arange
 GPUModelRunner._prepare_inputs = _prepare_inputs
 GPUModelRunner._build_attention_metadata = _build_attention_metadata
 
-# %% ../../../nbs/43_gpu_model_runner.ipynb #6ecbff7f
+# %% ../../../nbs/43_gpu_model_runner.ipynb #4d5c3c2b
+from ...compilation_config import CUDAGraphMode
+from ..cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher, is_uniform_decode, pad_attn_inputs
+
+def _init_cudagraphs(self: GPUModelRunner) -> CUDAGraphMode:
+    "Set up `cudagraph_dispatcher` and an empty `cudagraphs` table; returns the mode actually used."
+    cc = self.vllm_config.compilation_config
+    self.cudagraphs: dict[BatchDescriptor, tuple[Any, torch.Tensor]] = {}
+    self.cudagraph_dispatcher = CudagraphDispatcher(cc, self.max_num_reqs, self.max_num_tokens)
+    mode = cc.cudagraph_mode
+    if mode.has_piecewise_cudagraphs():
+        logger.warning("cudagraph_mode=%s: PIECEWISE CUDA graphs are not implemented; those batches run eager", mode.name)
+        mode = CUDAGraphMode.FULL_DECODE_ONLY if mode.decode_mode() == CUDAGraphMode.FULL else CUDAGraphMode.NONE
+    builders = [ag.get_metadata_builder() for ags in self.attn_groups for ag in ags]
+    if mode != CUDAGraphMode.NONE and not all(getattr(b, "cudagraph_support", False) for b in builders):
+        logger.warning("cudagraph_mode=%s: an attention backend cannot be captured; running eager", mode.name)
+        mode = CUDAGraphMode.NONE
+    if self.device.type != "cuda": mode = CUDAGraphMode.NONE
+    self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
+    return mode
+
+def _pad_for_cudagraph(self: GPUModelRunner, num_reqs: int, num_tokens: int, desc: BatchDescriptor) -> int:
+    "Pad the persistent device buffers from the real step to `desc`; returns the padded request count."
+    num_padded_reqs = desc.num_reqs if desc.num_reqs is not None else min(desc.num_tokens, self.max_num_reqs)
+    slot_maps = [bt.slot_mapping.gpu for bt in self.input_batch.block_table.block_tables]
+    pad_attn_inputs(self.query_start_loc.gpu, self.seq_lens.gpu, slot_maps, num_reqs, num_tokens,
+                    num_padded_reqs, desc.num_tokens)
+    self.input_ids.gpu[num_tokens:desc.num_tokens] = 0
+    self.positions.gpu[num_tokens:desc.num_tokens] = 0
+    return num_padded_reqs
+
+def _maybe_replay_cudagraph(self: GPUModelRunner, num_reqs: int, num_tokens: int, num_scheduled: np.ndarray,
+                            max_seq_len: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    "Replay the captured graph this step dispatches to: (hidden_states (num_tokens, hidden), attn_metadata), or None."
+    if not getattr(self, "cudagraphs", None): return None
+    mode, desc = self.cudagraph_dispatcher.dispatch(num_tokens, is_uniform_decode(num_scheduled), num_reqs)
+    entry = self.cudagraphs.get(desc) if mode == CUDAGraphMode.FULL else None
+    if entry is None: return None
+    self._pad_for_cudagraph(num_reqs, num_tokens, desc)
+    graph, hidden_states = entry
+    graph.replay()
+    attn_metadata, _ = self._build_attention_metadata(num_reqs, num_tokens, int(num_scheduled.max()), max_seq_len)
+    return hidden_states[:num_tokens], attn_metadata
+
+@torch.inference_mode()
+def _capture_model(self: GPUModelRunner) -> int:
+    """Capture one FULL CUDA graph per dispatcher key, largest first, after the KV cache exists. Each capture
+    runs a dummy step that writes nothing to the cache (all slots -1): uniform keys R one-token requests, mixed
+    keys one request of N tokens plus empty ones. Returns the number of graphs (0 on the CPU or with mode NONE).
+    Source: vLLM gpu_model_runner.py `capture_model`."""
+    self._init_cudagraphs()
+    keys = sorted(self.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL], key=lambda k: (-k.num_tokens, k.uniform_decode))
+    if not keys: return 0
+    pool = torch.cuda.graph_pool_handle()
+    for desc in keys:
+        N = desc.num_tokens
+        L = min(N, self.max_model_len)  # mixed: prompts of at most max_model_len tokens (block table rows fit)
+        query_lens = [1] * N if desc.uniform_decode else [L] * (N // L) + ([N % L] if N % L else [])
+        R = self._pad_for_cudagraph(0, 0, desc)  # everything padding first: slots -1, empty requests
+        if len(query_lens) > R: continue  # cannot occur with the scheduler's limits (max_num_seqs * max_model_len)
+        self.query_start_loc.gpu[0] = 0
+        self.query_start_loc.gpu[1:len(query_lens) + 1] = torch.tensor(np.cumsum(query_lens), device=self.device)
+        self.query_start_loc.gpu[len(query_lens) + 1:R + 1] = N
+        self.seq_lens.gpu[:len(query_lens)] = torch.tensor(query_lens, device=self.device)
+        attn_metadata, slot_mappings = self._build_attention_metadata(R, N, max(query_lens), max(query_lens))
+        with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings, batch_descriptor=desc):
+            self.model(self.input_ids.gpu[:N], self.positions.gpu[:N])  # warm-up: Triton compiles outside the graph
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden_states = self.model(self.input_ids.gpu[:N], self.positions.gpu[:N])
+        self.cudagraphs[desc] = (graph, hidden_states)
+    torch.cuda.synchronize(self.device)
+    logger.info("captured %d CUDA graphs (%s), sizes %d..%d", len(self.cudagraphs),
+                self.vllm_config.compilation_config.cudagraph_mode.name, keys[-1].num_tokens, keys[0].num_tokens)
+    return len(self.cudagraphs)
+
+GPUModelRunner._init_cudagraphs, GPUModelRunner._pad_for_cudagraph = _init_cudagraphs, _pad_for_cudagraph
+GPUModelRunner._maybe_replay_cudagraph, GPUModelRunner.capture_model = _maybe_replay_cudagraph, _capture_model
+
+# %% ../../../nbs/43_gpu_model_runner.ipynb #028fd1a0
 @torch.inference_mode()
 def _execute_model(self: GPUModelRunner, scheduler_output: SchedulerOutput, intermediate_tensors: Any = None) -> ModelRunnerOutput | None:
     """Phase 1: update state, prepare inputs, run the model and compute the logits of each request's last token.
@@ -316,10 +396,13 @@ def _execute_model(self: GPUModelRunner, scheduler_output: SchedulerOutput, inte
     if total == 0: return EMPTY_MODEL_RUNNER_OUTPUT
     num_reqs = self.input_batch.num_reqs
     logits_indices, num_scheduled, discard = self._prepare_inputs(scheduler_output)
-    attn_metadata, slot_mappings = self._build_attention_metadata(
-        num_reqs, total, int(num_scheduled.max()), int(self.seq_lens.np[:num_reqs].max()))
-    with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings):
-        hidden_states = self.model(self.input_ids.gpu[:total], self.positions.gpu[:total])
+    max_seq_len = int(self.seq_lens.np[:num_reqs].max())
+    graph_out = self._maybe_replay_cudagraph(num_reqs, total, num_scheduled, max_seq_len)  # None: run eager
+    if graph_out is not None: hidden_states, attn_metadata = graph_out
+    else:
+        attn_metadata, slot_mappings = self._build_attention_metadata(num_reqs, total, int(num_scheduled.max()), max_seq_len)
+        with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings):
+            hidden_states = self.model(self.input_ids.gpu[:total], self.positions.gpu[:total])
     sample_hidden_states = hidden_states[logits_indices]
     logits = self.model.compute_logits(sample_hidden_states)
     self.execute_model_state = ExecuteModelState(scheduler_output, logits, hidden_states, sample_hidden_states,

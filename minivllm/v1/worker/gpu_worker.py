@@ -114,8 +114,9 @@ def _initialize_cache(self: Worker, num_gpu_blocks: int, num_cpu_blocks: int = 0
     self.cache_config.num_gpu_blocks = num_gpu_blocks
 
 def _compile_or_warm_up_model(self: Worker) -> None:
-    "Run a small dummy step so kernels and allocators are warm, then re-seed so warm-up leaves no trace."
+    "Run a small dummy step so kernels and allocators are warm, capture CUDA graphs, then re-seed so warm-up leaves no trace."
     self.model_runner._dummy_run(min(16, self.model_runner.max_num_tokens))
+    self.model_runner.capture_model()  # CUDA graphs, when the compilation config asks and the device is CUDA
     set_random_seed(self.model_config.seed)
 
 Worker.determine_available_memory = _determine_available_memory

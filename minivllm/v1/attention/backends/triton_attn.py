@@ -43,8 +43,11 @@ class TritonAttentionMetadata:
 
 class TritonAttentionMetadataBuilder:
     """Repackages `CommonAttentionMetadata` as `TritonAttentionMetadata` for `layer_names` (any request order:
-    `reorder_batch_threshold = None`). Source: vLLM triton_attn.py `TritonAttentionMetadataBuilder`."""
+    `reorder_batch_threshold = None`). `cudagraph_support`: the metadata is views of the runner's buffers and
+    the kernels' grids depend only on shapes, so a full CUDA graph can capture the step (vLLM: an
+    `AttentionCGSupport` level). Source: vLLM triton_attn.py `TritonAttentionMetadataBuilder`."""
     reorder_batch_threshold: int | None = None
+    cudagraph_support: bool = True
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device):
         self.kv_cache_spec, self.layer_names, self.vllm_config = kv_cache_spec, list(layer_names), vllm_config
