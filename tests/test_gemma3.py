@@ -20,6 +20,7 @@ from minivllm.testing import make_tiny_checkpoint
 from minivllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 WINDOW = 8  # make_tiny_checkpoint("gemma3") default sliding_window
+KV_BYTES = 8 << 20  # plenty of blocks for these tiny models, instead of the 1 GiB CPU default
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):
@@ -52,7 +53,7 @@ def gemma(tmp_path_factory):
 
 
 def run(path, prompts, max_tokens, **engine_kwargs):
-    llm = LLM(path, dtype="float32", max_model_len=256, **engine_kwargs)
+    llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, **engine_kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, outs
@@ -82,7 +83,7 @@ def test_gemma3_greedy_equals_transformers(gemma, setting):
 
 def test_gemma3_two_kv_cache_groups(gemma):
     path = gemma[0]
-    llm = LLM(path, dtype="float32", max_model_len=256, block_size=4)
+    llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, block_size=4)
     core = llm.llm_engine.engine_core.engine_core
     groups = core.kv_cache_config.kv_cache_groups
     specs = [g.kv_cache_spec for g in groups]
@@ -111,7 +112,8 @@ def test_prefix_caching_on_off_same_greedy(arch, gemma, tmp_path):
     max_tokens = [10, 4, 7, 12, 5]
     results = {}
     for caching in (True, False):
-        llm = LLM(path, dtype="float32", max_model_len=256, block_size=4, enable_prefix_caching=caching)
+        llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, block_size=4,
+                  enable_prefix_caching=caching)
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         reqs = [{"prompt_token_ids": p} for p in prompts]
         first = llm.generate(reqs, params, use_tqdm=False)     # one batch: shares blocks computed in the same run
@@ -131,7 +133,7 @@ def test_prefix_caching_on_off_same_greedy(arch, gemma, tmp_path):
 def test_sliding_window_blocks_freed_while_request_runs(gemma):
     path = gemma[0]
     bs = 4
-    llm = LLM(path, dtype="float32", max_model_len=256, block_size=bs)
+    llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, block_size=bs)
     engine = llm.llm_engine
     sched = scheduler_of(llm)
     kvm = sched.kv_cache_manager
@@ -174,7 +176,8 @@ def test_prefix_caching_on_by_default_and_cli_flag_turns_it_off(gemma):
     from minivllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache
     path = gemma[0]
     parser, _ = make_parser()
-    common = ["generate", "hi", "--model", path, "--max-model-len", "64", "--block-size", "4", "--dtype", "float32"]
+    common = ["generate", "hi", "--model", path, "--max-model-len", "64", "--block-size", "4", "--dtype", "float32",
+              "--kv-cache-memory-bytes", str(KV_BYTES)]
     for flags, caching in (([], True), (["--no-enable-prefix-caching"], False)):
         llm, _ = _make_llm_and_params(parser.parse_args(common + flags))
         core = llm.llm_engine.engine_core.engine_core
