@@ -36,7 +36,7 @@ def _unified_attention_kernel(
         kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, bt_stride,
         NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+        SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -79,7 +79,7 @@ def _unified_attention_kernel(
                     + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)  # (D, TILE)
         v = tl.load(v_cache_ptr + (blk * vc_stride_b + in_blk * vc_stride_s + kv_head * vc_stride_h)[:, None]
                     + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (TILE, D)
-        s = scale * tl.dot(q, k)  # (BLOCK_M, TILE)
+        s = scale * tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, TILE)
         if USE_SOFTCAP:
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
         visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
@@ -91,7 +91,7 @@ def _unified_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
         tile += 1
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -130,5 +130,6 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         NUM_QUERIES_PER_KV=G, HEAD_SIZE=D, HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(D)),
         BLOCK_SIZE=block_size, TILE=max(16, min(64, triton.next_power_of_2(block_size))), BLOCK_Q=BLOCK_Q,
-        BLOCK_M=BLOCK_M, SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(soft_cap))
+        BLOCK_M=BLOCK_M, SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(soft_cap),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
