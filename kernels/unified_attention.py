@@ -16,8 +16,8 @@ __all__ = ['unified_attention']
 @triton.jit
 def _find_seq_idx(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     "Largest i in [0, num_seqs) with query_start_loc[i] // BLOCK_Q + i <= q_block."
-    lo = 0
-    hi = num_seqs
+    lo = q_block * 0  # int32 tensors from the start: loop-carried values must keep one type when compiled
+    hi = q_block * 0 + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -68,7 +68,7 @@ def _unified_attention_kernel(
     first_pos = 0
     if SLIDING_WINDOW > 0:
         first_pos = tl.maximum(context_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0)
-    tile = first_pos // TILE
+    tile = q_block * 0 + first_pos // TILE  # an int32 tensor, like the loop's later values
     while tile <= last_pos // TILE:  # a while loop: the interpreter cannot range() over loaded values
         kv_pos = tile * TILE + offs_t  # (TILE,)
         kv_ok = kv_pos <= last_pos
