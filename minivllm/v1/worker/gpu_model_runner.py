@@ -364,9 +364,9 @@ def _capture_model(self: GPUModelRunner) -> int:
         R = self._pad_for_cudagraph(0, 0, desc)  # everything padding first: slots -1, empty requests
         if len(query_lens) > R: continue  # cannot occur with the scheduler's limits (max_num_seqs * max_model_len)
         self.query_start_loc.gpu[0] = 0
-        self.query_start_loc.gpu[1:len(query_lens) + 1] = torch.tensor(np.cumsum(query_lens), device=self.device)
+        self.query_start_loc.gpu[1:len(query_lens) + 1] = torch.tensor(np.cumsum(query_lens), device=self.query_start_loc.gpu.device)
         self.query_start_loc.gpu[len(query_lens) + 1:R + 1] = N
-        self.seq_lens.gpu[:len(query_lens)] = torch.tensor(query_lens, device=self.device)
+        self.seq_lens.gpu[:len(query_lens)] = torch.tensor(query_lens, device=self.seq_lens.gpu.device)
         attn_metadata, slot_mappings = self._build_attention_metadata(R, N, max(query_lens), max(query_lens))
         with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings, batch_descriptor=desc):
             self.model(self.input_ids.gpu[:N], self.positions.gpu[:N])  # warm-up: Triton compiles outside the graph
