@@ -7,6 +7,7 @@ its outputs to float rounding; a tiny model served with MINIVLLM_ATTENTION_BACKE
 generate the torch reference's greedy tokens. The GPU tests (skipped without CUDA) repeat the model check
 on CUDA with the Triton backend chosen by default, and with FULL / FULL_DECODE_ONLY CUDA graphs.
 """
+import gc
 import os
 import random
 
@@ -74,6 +75,8 @@ def _greedy(path, n_prompts=3, max_tokens=4, **kw):
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 19, 9, 33, 2, 12)[:n_prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    del llm
+    gc.collect()  # the next engine in this process sizes its KV cache from free memory
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -106,7 +109,10 @@ def test_gpu_greedy_triton_and_cudagraphs_equal_torch_ref(arch, tmp_path, monkey
     path = make_tiny_checkpoint(arch, tmp_path / arch)
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")
-    kw = dict(n_prompts=6, max_tokens=24, device="cuda")
+    # small KV pool and scheduler limits: capture sizes 1..16 (min(2 * max_num_seqs, ...)), so decodes of up
+    # to 6 requests replay padded graphs, short mixed steps replay FULL graphs, long prompts run eager
+    kw = dict(n_prompts=6, max_tokens=24, device="cuda", kv_cache_memory_bytes=1 << 28, max_num_seqs=8,
+              max_num_batched_tokens=256)
     ref = _greedy(path, **kw)
     monkeypatch.delenv("MINIVLLM_ATTENTION_BACKEND")  # default on CUDA: Triton
     from minivllm.attention.selector import select_attn_backend_name
