@@ -98,7 +98,7 @@ def test_tiny_model_greedy_triton_equals_torch_ref(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_kernels_match_reference(dtype):
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for seed in range(20):
+    for seed in range(8):  # each new shape combination is a Triton compile (~1 s)
         err, same_cache = run_case(seed, "cuda", dtype)
         assert same_cache and err < tol, (seed, err)
 
