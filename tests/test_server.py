@@ -303,3 +303,21 @@ def test_minivllm_serve_cli(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_metrics_prefix_cache_hits(server):
+    if is_fake(server): pytest.skip("the fake engine has no prefix cache")
+    server.wait_idle()
+    m = (("model_name", "tiny"),)
+    prompt = "A shared prefix long enough to fill several KV cache blocks of sixteen tokens, " * 3
+    first = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    server.wait_idle()
+    before = _metrics(server)
+    server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    server.wait_idle()
+    after = _metrics(server)
+    n = first.usage.prompt_tokens
+    assert after[("vllm:prefix_cache_queries_total", m)] - before[("vllm:prefix_cache_queries_total", m)] == n
+    hits = after[("vllm:prefix_cache_hits_total", m)] - before[("vllm:prefix_cache_hits_total", m)]
+    assert hits == (n - 1) // 16 * 16      # every full block but the one holding the last prompt token
+    assert 0 < after[("vllm:prefix_cache_hit_rate", m)] <= 1
