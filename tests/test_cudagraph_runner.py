@@ -78,14 +78,24 @@ def greedy(llm, prompts, max_tokens):
     return [o.outputs[0].token_ids for o in outs]
 
 
+_CKPTS = {}
+
+
+def checkpoint(arch, tmp_path_factory):
+    if arch not in _CKPTS: _CKPTS[arch] = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
+    return _CKPTS[arch]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+    return checkpoint("qwen3", tmp_path_factory)
 
 
-@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL"])
-def test_fake_cudagraph_replay_equals_eager(tiny, monkeypatch, mode):
+# gemma3: a sliding-window KV cache group next to a full one, so two slot mappings to pad
+@pytest.mark.parametrize("mode,arch", [("FULL_DECODE_ONLY", "qwen3"), ("FULL", "qwen3"), ("FULL", "gemma3")])
+def test_fake_cudagraph_replay_equals_eager(tmp_path_factory, monkeypatch, mode, arch):
     if torch.cuda.is_available(): pytest.skip("the real thing runs in tests/test_triton_attention.py")
+    tiny = checkpoint(arch, tmp_path_factory)
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TRITON_ATTN")
     rng = random.Random(1)
@@ -94,6 +104,7 @@ def test_fake_cudagraph_replay_equals_eager(tiny, monkeypatch, mode):
     llm = LLM(tiny, dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
     eager = greedy(llm, prompts, max_tokens)
     runner = runner_of(llm)
+    assert len(runner.attn_groups) == (2 if arch == "gemma3" else 1)  # KV cache groups
     n = capture_fake(runner, monkeypatch, mode, [1, 2, 4, 8, 16, 32])
     keys = set(runner.cudagraphs)
     if mode == "FULL_DECODE_ONLY":  # decode keys only, never more requests than max_num_seqs

@@ -94,6 +94,16 @@ def test_tiny_model_greedy_triton_equals_torch_ref(tmp_path, monkeypatch):
     assert len(calls) >= 2 * 4  # 2 layers x (1 prefill step + 3 decode steps) at least
 
 
+def test_tiny_gemma3_sliding_window_triton_equals_torch_ref(tmp_path, monkeypatch):
+    "Gemma 3: sliding-window layers (window 8) next to full ones, two KV cache groups; prompts longer than the window."
+    path = make_tiny_checkpoint("gemma3", tmp_path / "gemma3")
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")
+    ref = _greedy(path, n_prompts=2, max_tokens=6)
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TRITON_ATTN")
+    assert _greedy(path, n_prompts=2, max_tokens=6) == ref
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_kernels_match_reference(dtype):
@@ -104,7 +114,7 @@ def test_gpu_kernels_match_reference(dtype):
 
 
 @cuda
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3"])
 def test_gpu_greedy_triton_and_cudagraphs_equal_torch_ref(arch, tmp_path, monkeypatch):
     path = make_tiny_checkpoint(arch, tmp_path / arch)
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
