@@ -6,7 +6,11 @@ Prints microseconds per step (median and p90) for schedule() and update_from_out
 
     python benchmarks/engine_overhead.py [--requests 256] [--steps 300]
 
-(The end-to-end "process split vs in-process" half of issue 4's benchmark needs the EngineCoreProc split.)
+    python benchmarks/engine_overhead.py --e2e [--model DIR] [--prompts 32] [--output-len 64]
+
+`--e2e` instead runs the walking skeleton's workload (greedy, ignore_eos, the embedded SmolLM2 unless --model)
+through `LLM.generate` twice, engine core in-process and in its own process (ZMQ), and prints output tokens/s
+of each and the ratio (the split should not be more than 5% slower).
 """
 import argparse
 import json
@@ -46,11 +50,41 @@ def stub_output(s: Scheduler, so) -> ModelRunnerOutput:
     return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled)
 
 
+def e2e(args) -> None:
+    import os
+    import random
+    from minivllm.entrypoints.llm import LLM
+    rng = random.Random(0)
+    results = {}
+    for mode in ("in-process", "process split"):
+        os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "process split" else "0"
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=1024)
+        vocab = llm.get_tokenizer().vocab_size
+        prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(rng.randint(64, 256))]}
+                   for _ in range(args.prompts)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        results[mode] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+        print(f"{mode:14s}: {results[mode]:8.1f} output tokens/s  ({dt:.1f} s)")
+        llm.llm_engine.shutdown()
+        rng = random.Random(0)
+    print(f"process split / in-process: {results['process split'] / results['in-process']:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
+    if args.e2e: return e2e(args)
     hash_fn = get_hash_fn_by_name("sha256_cbor"); init_none_hash(hash_fn)
     hasher = get_request_block_hasher(16, hash_fn)
     s = make_scheduler(args.requests)
