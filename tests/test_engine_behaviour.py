@@ -147,3 +147,27 @@ def test_engine_core_structs_round_trip(llm):
     o = back.outputs[0]
     assert (o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens) == ([1, 2], FinishReason.STOP, 9, 16)
     assert LogprobsLists(*o.new_logprobs).sampled_token_ranks == [1]
+
+
+def test_priority_policy_with_preemption_keeps_outputs(ckpt):
+    prompts = [{"prompt_token_ids": [10 + i] * (8 + 6 * i)} for i in range(6)]
+    params = [SamplingParams(max_tokens=12, **GREEDY) for _ in prompts]
+    base = [o.outputs[0].token_ids for o in LLM(ckpt, dtype="float32", max_model_len=128).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(ckpt, dtype="float32", max_model_len=128, scheduling_policy="priority", num_gpu_blocks_override=8,
+              max_num_batched_tokens=32)
+    got = llm.generate(prompts, params, use_tqdm=False, priority=[5, 0, 3, 1, 4, 2])
+    assert [o.outputs[0].token_ids for o in got] == base
+    assert scheduler_of(llm).num_preemptions > 0
+    with pytest.raises(ValueError, match="priority"):   # priority needs the priority policy
+        LLM(ckpt, dtype="float32", max_model_len=128).generate("hi", SamplingParams(max_tokens=2), use_tqdm=False, priority=[1])
+
+
+def test_abort_parent_request_aborts_every_child(llm):
+    engine = llm.llm_engine
+    engine.add_request("fan", "hello", SamplingParams(n=4, seed=1, temperature=1.0, max_tokens=50, ignore_eos=True))
+    engine.step(); engine.step()
+    assert scheduler_of(llm).get_num_unfinished_requests() == 4
+    engine.abort_request(["fan"])
+    assert not engine.has_unfinished_requests()
+    assert scheduler_of(llm).get_num_unfinished_requests() == 0
+    assert scheduler_of(llm).kv_cache_manager.usage == 0.0
