@@ -111,3 +111,16 @@ def test_smollm2_chat_equals_transformers():
             expected = hf_greedy(model, out.prompt_token_ids, 32)
         assert out.outputs[0].token_ids == expected, f"{q!r}: {tok.decode(out.outputs[0].token_ids)!r} vs {tok.decode(expected)!r}"
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_hybrid_gemma3_with_preemption(tmp_path):
+    "Two KV cache groups (sliding window 8 + full): chunked prefill and preemption still give transformers' tokens."
+    path = make_tiny_checkpoint("gemma3", tmp_path / "gemma3")
+    model = load_hf(path)
+    prompts, max_tokens = _prompts(model.config.vocab_size, seed=1)
+    prompts, max_tokens = prompts[:6], max_tokens[:6]
+    with torch.no_grad():
+        expected = [hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    llm, got = run_minivllm(path, prompts, max_tokens, num_gpu_blocks_override=40, block_size=4, max_num_batched_tokens=24)
+    assert got == expected
+    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
