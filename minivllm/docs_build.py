@@ -139,7 +139,7 @@ def discover_chapters(nbs_path: Path) -> list[Chapter]:
     return sorted(chapters, key=lambda c: c.sort_key)
 
 # %% ../nbs/95_docs_site.ipynb #3b6bde77
-DIAGRAM_FENCE = "```mermaid"  # the one spelling the notebooks use (see "Which fence" above)
+DIAGRAM_FENCE = "```{mermaid}"  # the one spelling the notebooks use (Quarto's) (see "Which fence" above)
 
 _MERMAID = re.compile(r"^(?P<ind>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*\{?mermaid\}?[ \t]*\n(?P<body>.*?)^[ \t]*(?P=fence)[ \t]*$",
                       re.M | re.S)
