@@ -24,10 +24,13 @@ install: $(STAMP)
 demo: install
 	$(BIN)/minivllm chat "What is the capital of France? Answer in one sentence." --max-tokens 64
 
+# TRITON_INTERPRET=1 for the notebook tests: nbdev_test reuses worker processes, so a notebook that
+# imports the Triton kernels without it would leave compiled (not interpreted) kernels cached in
+# sys.modules for a later kernel notebook in the same worker. The kernel checks use CPU tensors anyway.
 test: install
-	$(BIN)/nbdev_test --n_workers 2 --do_print --timing
+	TRITON_INTERPRET=1 $(BIN)/nbdev_test --n_workers 2 --do_print --timing
 	# The Triton kernels' notebooks (a second nbdev package: nbs/kernels/settings.ini -> kernels/).
-	cd nbs/kernels && ../../$(BIN)/nbdev_test --n_workers 2 --do_print --timing
+	cd nbs/kernels && TRITON_INTERPRET=1 ../../$(BIN)/nbdev_test --n_workers 2 --do_print --timing
 	$(BIN)/python -m pytest -q tests -m "not slow"
 
 export: install
