@@ -17,7 +17,7 @@ from ..layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowP
                                                    default_weight_loader)
 from ..layers.rotary_embedding import get_rope
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from .llama import get_head_dim, maybe_prefix
+from .llama import LlamaForCausalLM, get_head_dim, maybe_prefix
 
 # %% auto #0
 __all__ = ['GemmaRMSNorm', 'GeluAndMul', 'get_gemma3_layer_types', 'get_gemma3_rope_settings', 'Gemma3MLP', 'Gemma3Attention',
@@ -229,28 +229,7 @@ class Gemma3ForCausalLM(nn.Module):
         if self.logits_soft_cap: logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        tied = getattr(self.config, "tie_word_embeddings", True)
-        loaded: set[str] = set()
-        shards: dict[str, set] = {}  # fused parameter -> shard ids seen
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")): continue
-            for param_name, weight_name, shard_id in self.stacked_params_mapping:
-                if weight_name not in name: continue
-                name = name.replace(weight_name, param_name)
-                self._param(params, name).weight_loader(params[name], tensor, shard_id)
-                shards.setdefault(name, set()).add(shard_id)
-                break
-            else:
-                param = self._param(params, name)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(name)
-        for name, seen in shards.items():  # a fused parameter counts once all its shards arrived
-            if seen >= {s for p, _, s in self.stacked_params_mapping if p in name}: loaded.add(name)
-        return loaded
-
-    @staticmethod
-    def _param(params: dict, name: str) -> nn.Parameter:
-        if name not in params: raise KeyError(f"checkpoint weight {name!r} has no matching parameter in the model")
-        return params[name]
+    # Same checkpoint mapping as Llama (fused qkv_proj / gate_up_proj shards, tied lm_head skipped):
+    # reuse its loader rather than keep a copy.
+    load_weights = LlamaForCausalLM.load_weights
+    _param = staticmethod(LlamaForCausalLM._param)
