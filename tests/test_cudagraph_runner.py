@@ -8,6 +8,10 @@ buffers) and its forward context (the capture-time attention metadata, views of 
 pad a slot mapping, left stale request entries, or built metadata that is not a view of its buffers,
 the replayed step would differ from the eager one. The Triton backend runs interpreted. On a real GPU
 tests/test_triton_attention.py checks the same with torch.cuda.CUDAGraph.
+
+PIECEWISE pieces are captured with `capture_begin` / `capture_end` around the model code between attention
+layers; there `FakeGraph` is minivllm's `RecordingGraph`, which records the aten ops of the piece and replays
+them on the same tensors (attention, the only Triton code, is never inside a piece).
 """
 import contextlib
 import os
@@ -19,6 +23,7 @@ import torch
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from minivllm.compilation.cuda_graph import CUDAGraphEntry, RecordingGraph  # noqa: E402
 from minivllm.compilation_config import CompilationConfig, CUDAGraphMode  # noqa: E402
 from minivllm.entrypoints.llm import LLM  # noqa: E402
 from minivllm.forward_context import get_forward_context, set_forward_context  # noqa: E402
@@ -26,13 +31,17 @@ from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.testing import make_tiny_checkpoint  # noqa: E402
 
 
-class FakeGraph:
+class FakeGraph(RecordingGraph):
+    "FULL: records the model call (torch.cuda.graph context); PIECEWISE pieces: RecordingGraph's aten ops."
     recording: "FakeGraph | None" = None
     replays = 0
 
-    def __init__(self): self.call = None
+    def __init__(self):
+        super().__init__()
+        self.call = None
 
     def replay(self):
+        if self.call is None: return super().replay()
         forward, args, ctx, out = self.call
         with set_forward_context(ctx.attn_metadata, None, slot_mapping=ctx.slot_mapping, batch_descriptor=ctx.batch_descriptor):
             out.copy_(forward(*args))
@@ -126,13 +135,82 @@ def test_fake_cudagraph_replay_equals_eager(tmp_path_factory, monkeypatch, mode,
 def test_capture_is_a_no_op_without_cuda_or_graph_mode(tiny, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")
-    monkeypatch.setenv("MINIVLLM_CUDAGRAPH_MODE", "FULL")
+    monkeypatch.setenv("MINIVLLM_CUDAGRAPH_MODE", "FULL_DECODE_ONLY")
     llm = LLM(tiny, dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, device="cpu")
     runner = runner_of(llm)
-    assert runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL
+    assert runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
     assert runner.cudagraphs == {}  # CPU: nothing captured at start-up
-    # pretending CUDA is not enough with a backend that cannot be captured (the torch reference)
+    # pretending CUDA is not enough with a backend that cannot be captured (the torch reference): a
+    # decode-only full mode has no piecewise half to fall back to
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     device, runner.device = runner.device, torch.device("cuda")
     try: assert runner.capture_model() == 0
     finally: runner.device = device
+
+
+class ReplayCounter:
+    "Counts entry replays by runtime mode (a PIECEWISE entry has attention splits, a FULL one none)."
+    def __init__(self, monkeypatch):
+        self.counts = {"FULL": 0, "PIECEWISE": 0}
+        real = CUDAGraphEntry.replay
+
+        def replay(entry):
+            self.counts["PIECEWISE" if entry.splits else "FULL"] += 1
+            return real(entry)
+        monkeypatch.setattr(CUDAGraphEntry, "replay", replay)
+
+
+def attention_rows(runner):
+    "Record, for every attention call, (rows given, the metadata's num_actual_tokens)."
+    calls = []
+    for layer in runner.get_attention_layers().values():
+        def hook(layer, args):
+            md = get_forward_context().attn_metadata
+            if md is not None: calls.append((args[0].shape[0], md[layer.layer_name].num_actual_tokens))
+        layer.register_forward_pre_hook(hook)  # the LLM is the test's own: no need to remove it
+    return calls
+
+
+def kv_caches(runner):
+    return [t.clone() for t in runner.kv_caches]
+
+
+# PIECEWISE works with any backend (attention runs eagerly between the pieces): the torch reference here,
+# and gemma3 adds a second KV cache group. FULL_AND_PIECEWISE needs the capturable Triton backend for its
+# FULL half. max_num_batched_tokens=8 chunks the prompts, so many steps are mixed and fit the sizes (<= 8).
+@pytest.mark.parametrize("mode,arch,backend", [("PIECEWISE", "qwen3", "TORCH_REF"), ("PIECEWISE", "gemma3", "TORCH_REF"),
+                                               ("FULL_AND_PIECEWISE", "qwen3", "TRITON_ATTN")])
+def test_fake_piecewise_replay_equals_eager(tmp_path_factory, monkeypatch, mode, arch, backend):
+    if torch.cuda.is_available(): pytest.skip("the real thing runs in tests/test_triton_attention.py")
+    tiny = checkpoint(arch, tmp_path_factory)
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", backend)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 11, 6)]
+    max_tokens = [5, 3, 6]
+    kw = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
+    eager_llm = LLM(tiny, **kw)
+    eager = greedy(eager_llm, prompts, max_tokens)
+    llm = LLM(tiny, **kw)
+    runner = runner_of(llm)
+    n = capture_fake(runner, monkeypatch, mode, [1, 2, 4, 8])
+    keys = set(runner.cudagraphs)
+    pw = runner.cudagraph_wrappers[CUDAGraphMode.PIECEWISE].concrete_cudagraph_entries
+    assert {k.num_tokens for k in pw} == {1, 2, 4, 8} and not any(k.uniform_decode for k in pw)
+    num_layers = len(runner.get_attention_layers())
+    assert all(len(e.cudagraphs) == num_layers + 1 and len(e.splits) == num_layers for e in pw.values())
+    if mode == "FULL_AND_PIECEWISE":  # uniform-decode keys are FULL graphs, at most max_num_seqs requests
+        assert n == 7 and {k for k in keys if k.uniform_decode} == {(1, 1, True), (2, 2, True), (4, 4, True)}
+    else:
+        assert n == 4 and CUDAGraphMode.FULL not in runner.cudagraph_wrappers
+    counter = ReplayCounter(monkeypatch)
+    calls = attention_rows(runner)
+    assert greedy(llm, prompts, max_tokens) == eager
+    assert counter.counts["PIECEWISE"] >= 3, counter.counts  # mixed steps of <= 8 tokens replayed the pieces
+    if mode == "FULL_AND_PIECEWISE": assert counter.counts["FULL"] >= 3, counter.counts  # the decodes
+    # attention saw exactly the real tokens of each step, never the padding (so padding reached no cache slot)
+    assert calls and all(rows == n for rows, n in calls)
+    # ... and the caches hold the same entries as the eager engine's (same schedule, same blocks)
+    for ours, ref in zip(kv_caches(runner), kv_caches(runner_of(eager_llm))):
+        assert torch.equal(ours != 0, ref != 0)
+        assert torch.allclose(ours, ref, atol=1e-4)
