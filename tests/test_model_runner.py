@@ -294,11 +294,13 @@ def test_uniproc_executor_startup_and_steps(tiny_llama):
 
 def test_executor_get_class_rejects_unimplemented_backends(tiny_llama):
     from minivllm.v1.executor.abstract import Executor
-    for backend in ("mp", "ray"):
-        cfg = VllmConfig(ModelConfig(tiny_llama), device_config=DeviceConfig("cpu"))
-        cfg.parallel_config.distributed_executor_backend = backend
-        with pytest.raises(NotImplementedError, match="distributed_executor_backend"):
-            Executor.get_class(cfg)
+    from minivllm.v1.executor.multiproc_executor import MultiprocExecutor
+    cfg = VllmConfig(ModelConfig(tiny_llama), device_config=DeviceConfig("cpu"))
+    cfg.parallel_config.distributed_executor_backend = "mp"
+    assert Executor.get_class(cfg) is MultiprocExecutor
+    cfg.parallel_config.distributed_executor_backend = "ray"
+    with pytest.raises(NotImplementedError, match="distributed_executor_backend"):
+        Executor.get_class(cfg)
 
 
 class _SmallKernelBackend(_SumBackend):

@@ -43,14 +43,17 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type["Executor"]:
-        """The executor class for `parallel_config.distributed_executor_backend` ("uni"; or an Executor subclass).
-        Raises NotImplementedError for "mp" and "ray", ValueError for anything else."""
+        """The executor class for `parallel_config.distributed_executor_backend` ("uni", "mp"; or an Executor subclass).
+        Raises NotImplementedError for "ray", ValueError for anything else."""
         backend = vllm_config.parallel_config.distributed_executor_backend
         if isinstance(backend, type) and issubclass(backend, Executor): return backend
         if backend == "uni":
             from minivllm.v1.executor.uniproc_executor import UniProcExecutor
             return UniProcExecutor
-        if backend in ("mp", "ray"):
+        if backend == "mp":
+            from minivllm.v1.executor.multiproc_executor import MultiprocExecutor
+            return MultiprocExecutor
+        if backend == "ray":
             raise NotImplementedError(f"distributed_executor_backend={backend!r} is not implemented yet; "
                                       "use distributed_executor_backend='uni'")
         raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray'; got {backend!r}")
