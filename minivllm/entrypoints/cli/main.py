@@ -26,7 +26,8 @@ class CLISubcommand:
 
 # %% ../../../nbs/29d_cli.ipynb #a7808b1f
 _ENGINE_FLAGS = ("model", "dtype", "seed", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "kv_cache_memory_bytes", "enable_prefix_caching", "device", "compilation_config", "enforce_eager")
+                 "kv_cache_memory_bytes", "enable_prefix_caching", "device", "compilation_config", "enforce_eager",
+                 "distributed_executor_backend")
 
 def _add_engine_and_sampling_args(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine")
@@ -40,6 +41,8 @@ def _add_engine_and_sampling_args(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     eng.add_argument("--device", default="auto")
+    eng.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                     help="uni: the model in the engine process; mp: in a worker process (default uni)")
     eng.add_argument("--compilation-config", "-O", default=None,
                      help='CUDA graphs: JSON (\'{"cudagraph_mode": "FULL_AND_PIECEWISE"}\') or a level (-O0 eager, -O3 graphs)')
     eng.add_argument("--enforce-eager", action="store_true", default=None, help="never use CUDA graphs")

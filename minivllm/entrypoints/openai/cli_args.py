@@ -14,7 +14,8 @@ __all__ = ['ENGINE_FLAGS', 'make_arg_parser', 'engine_args_kwargs', 'engine_args
 
 # %% ../../../nbs/59_cli_serve.ipynb #1c6e3625
 ENGINE_FLAGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "enable_prefix_caching", "compilation_config", "enforce_eager")
+                "enable_prefix_caching", "compilation_config", "enforce_eager",
+                "distributed_executor_backend")
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add `minivllm serve`'s flags to `parser` (vLLM's names). Source: vLLM entrypoints/openai/cli_args.py `make_arg_parser`."
@@ -40,6 +41,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--compilation-config", "-O", default=None,
                      help='CUDA graphs: JSON (\'{"cudagraph_mode": "FULL_AND_PIECEWISE"}\') or a level (-O0 eager, -O3 graphs).')
     eng.add_argument("--enforce-eager", action="store_true", default=None, help="Never use CUDA graphs.")
+    eng.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                     help="uni: the model in the engine process; mp: in a worker process (default uni).")
     return parser
 
 def engine_args_kwargs(args: argparse.Namespace) -> dict[str, Any]:

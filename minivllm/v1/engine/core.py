@@ -40,6 +40,8 @@ class EngineCore:
                  executor_fail_callback: Any = None):
         self.vllm_config, self.log_stats = vllm_config, log_stats
         self.model_executor = executor_class(vllm_config)
+        if executor_fail_callback is not None:  # a worker process died: the executor tells us asynchronously
+            self.model_executor.register_failure_callback(executor_fail_callback)
         num_gpu_blocks, kv_cache_config = self._initialize_kv_caches(vllm_config)
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_config = kv_cache_config
@@ -162,7 +164,8 @@ class EngineCoreProc(EngineCore):
                  output_address: str, identity: bytes = b"\x00\x00", engine_index: int = 0):
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
-        super().__init__(vllm_config, executor_class, log_stats)
+        super().__init__(vllm_config, executor_class, log_stats,  # a dead worker wakes the busy loop, which then fails
+                         executor_fail_callback=lambda: self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, b"")))
         self.engine_index = engine_index
         self.output_thread = threading.Thread(target=self.process_output_sockets, args=(output_address,),
                                               daemon=True, name="EngineCoreOutputSocket")
@@ -226,7 +229,7 @@ class EngineCoreProc(EngineCore):
             except BaseException as e: result, failure = None, f"{type(e).__name__}: {e}"
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=[call_id, failure, result])))
         elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
-            raise RuntimeError("Executor failed.")
+            raise RuntimeError(f"Executor failed. {getattr(self.model_executor, 'failure_message', '')}".strip())
 
     def process_input_sockets(self, input_address: str, identity: bytes, ready: threading.Event) -> None:
         "Input thread: handshake, then decode every message onto `input_queue`."
