@@ -17,7 +17,7 @@ from torch import nn
 
 # %% auto #0
 __all__ = ['ModelRegistry', 'get_model_architecture', 'get_safetensors_files', 'safetensors_weights_iterator',
-           'set_default_torch_dtype', 'get_model']
+           'set_default_torch_dtype', 'process_weights_after_loading', 'get_model']
 
 # %% ../../nbs/36_model_loader.ipynb #b135eae2
 class _ModelRegistry:
@@ -92,6 +92,14 @@ def set_default_torch_dtype(dtype: torch.dtype):
     finally: torch.set_default_dtype(old)
 
 # %% ../../nbs/36_model_loader.ipynb #bf5017f3
+def process_weights_after_loading(model: nn.Module, model_config: Any = None, target_device: Any = None) -> None:
+    """Let every submodule that defines `process_weights_after_loading()` finish its weights, once, after the
+    checkpoint is in (on the CPU, linear layers and the LM head switch to prepacked oneDNN weights).
+    Source: vLLM model_executor/model_loader/utils.py `process_weights_after_loading`."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook): hook()
+
 def get_model(vllm_config: Any, model_config: Any = None) -> nn.Module:
     """Build the model of `model_config` (default `vllm_config.model_config`) in `model_config.dtype` on
     `vllm_config.device_config.device`, load all its weights from the folder's safetensors files, return it in eval mode.
@@ -109,4 +117,5 @@ def get_model(vllm_config: Any, model_config: Any = None) -> nn.Module:
     if missing:
         raise ValueError(f"model: {len(missing)} parameters were not found in the checkpoint "
                          f"{model_config.model!r}, e.g. {missing[:5]}")
+    process_weights_after_loading(model, model_config, device)
     return model.eval()

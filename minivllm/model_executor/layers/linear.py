@@ -10,8 +10,46 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['default_weight_loader', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'RowParallelLinear',
-           'MergedColumnParallelLinear', 'QKVParallelLinear']
+__all__ = ['dispatch_cpu_unquantized_gemm', 'unquantized_gemm', 'default_weight_loader', 'LinearBase', 'ReplicatedLinear',
+           'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear']
+
+# %% ../../../nbs/30b_linear.ipynb #862b39d6
+import os
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    "oneDNN's blocked copy of a (N, K) CPU weight, or None where oneDNN cannot pack it here."
+    if (weight.device.type != "cpu" or weight.ndim != 2 or os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1") == "0"
+            or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    try: return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError: return None  # e.g. bfloat16 without AVX512-BF16 / AVX-NE-CONVERT
+
+def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None:
+    """Give `layer` a `cpu_linear(x, weight, bias)` that multiplies by a oneDNN-prepacked copy of `layer.weight`.
+
+    layer.weight: (N, K) on the CPU. The packed matmul takes x: (..., K) in the weight's dtype and returns
+    (..., N); its `weight` argument is ignored. Sets `layer.cpu_linear = None` (plain `F.linear`) where oneDNN
+    cannot pack: not a 2-D CPU weight, bfloat16 without CPU support, or env `MINIVLLM_CPU_ONEDNN_GEMM=0`.
+    remove_weight: replace `layer.weight` by an empty tensor of its dtype (the packed copy is then the only
+    one; a shared, e.g. tied, weight must be kept). Source: vLLM model_executor/layers/utils.py
+    `dispatch_cpu_unquantized_gemm`."""
+    packed = _onednn_pack(layer.weight)
+    if packed is None:
+        layer.cpu_linear = None
+        return
+    def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    layer.cpu_linear = cpu_linear
+    if remove_weight:
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+def unquantized_gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for `layer`: its `cpu_linear` when `dispatch_cpu_unquantized_gemm` gave it one, else
+    `F.linear`. x: (..., K) -> (..., N). Source: vLLM model_executor/layers/utils.py `dispatch_unquantized_gemm`,
+    `cpu_unquantized_gemm`."""
+    cpu_linear = getattr(layer, "cpu_linear", None)
+    return F.linear(x, weight, bias) if cpu_linear is None else cpu_linear(x, weight, bias)
+
 
 # %% ../../../nbs/30b_linear.ipynb #dbe9f62b
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -45,7 +83,11 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
-        return F.linear(x, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        return unquantized_gemm(self, x, self.weight, bias), (self.bias if self.skip_bias_add else None)
+
+    def process_weights_after_loading(self) -> None:
+        "Called once by the model loader after all weights are in: on the CPU, switch to a prepacked oneDNN matmul."
+        if self.weight.device.type == "cpu": dispatch_cpu_unquantized_gemm(self, remove_weight=True)
 
     def extra_repr(self) -> str:
         return f"in_features={self.input_size}, output_features={self.output_size}, bias={self.bias is not None}"

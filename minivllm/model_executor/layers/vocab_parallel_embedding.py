@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import default_weight_loader
+from .linear import default_weight_loader, dispatch_cpu_unquantized_gemm
 
 # %% auto #0
 __all__ = ['VocabParallelEmbedding', 'ParallelLMHead']
@@ -49,6 +49,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         "Share `embed_tokens.weight` (tie_word_embeddings); returns self."
         self.weight = embed_tokens.weight
         return self
+
+    def process_weights_after_loading(self) -> None:
+        """On the CPU, also keep a oneDNN-prepacked copy for the logits matmul (`unquantized_gemm(lm_head, ...)`);
+        the plain weight stays, since a tied head shares it with the embedding. Source: vLLM
+        vocab_parallel_embedding.py `UnquantizedEmbeddingMethod.process_weights_after_loading`."""
+        if self.weight.device.type == "cpu": dispatch_cpu_unquantized_gemm(self, remove_weight=False)
 
     def forward(self, input_):
         raise RuntimeError("ParallelLMHead is applied by the model's compute_logits(), not called directly")

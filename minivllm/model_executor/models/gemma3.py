@@ -14,6 +14,7 @@ from torch import nn
 
 from ...attention.layer import Attention
 from ..layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                                   unquantized_gemm,
                                                    default_weight_loader)
 from ..layers.rotary_embedding import get_rope
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -225,7 +226,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.lm_head.weight).float()
+        logits = unquantized_gemm(self.lm_head, hidden_states, self.lm_head.weight).float()
         if self.logits_soft_cap: logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
         return logits
 

@@ -16,6 +16,7 @@ from ...attention.layer import Attention
 from ..layers.activation import SiluAndMul
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                                   unquantized_gemm,
                                                    default_weight_loader)
 from ..layers.rotary_embedding import get_rope
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.lm_head.weight, self.lm_head.bias).float()
+        return unquantized_gemm(self.lm_head, hidden_states, self.lm_head.weight, self.lm_head.bias).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
