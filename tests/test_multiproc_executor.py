@@ -4,7 +4,8 @@
 - collective_rpc(non_block=True) returns a Future; a blocking call behind a pending one gets its own reply;
 - a worker that dies is reported (failure callback, check_health, the engine's EngineDeadError) within seconds;
 - a worker that fails to start is named in the error;
-- no /dev/shm segment is left behind after shutdown, even when a worker was killed.
+- no /dev/shm segment is left behind after shutdown, even when a worker was killed;
+- a worker whose engine process is SIGKILLed exits by itself (death pipe).
 """
 import glob
 import operator
@@ -170,3 +171,23 @@ def test_world_size_above_one_is_refused(ckpt):
     cfg = EngineArgs(model=ckpt, tensor_parallel_size=2).create_engine_config()
     assert cfg.parallel_config.distributed_executor_backend == "mp"
     assert Executor.get_class(cfg) is MultiprocExecutor
+
+
+def test_worker_exits_when_the_engine_process_is_killed(ckpt, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = LLM(ckpt, distributed_executor_backend="mp", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    client = llm.llm_engine.engine_core
+    (worker_pid, _), = [c for c in children(client.proc.pid) if "spawn_main" in c[1]]
+    try:
+        os.kill(client.proc.pid, signal.SIGKILL)   # no shutdown code runs in the engine process
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{worker_pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            try: os.waitpid(worker_pid, os.WNOHANG)   # not our child: ECHILD; just keep polling /proc
+            except ChildProcessError: pass
+        state = open(f"/proc/{worker_pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{worker_pid}") else "gone"
+        assert state in ("gone", "Z"), state   # the death pipe told the orphaned worker to exit
+    finally:
+        llm.llm_engine.shutdown()
+        try: os.kill(worker_pid, signal.SIGKILL)   # never leave a worker behind, even when the test fails
+        except ProcessLookupError: pass
