@@ -67,15 +67,34 @@ def mp_config(path, **parallel) -> VllmConfig:
                       device_config=DeviceConfig("cpu"))
 
 
-def test_engine_process_plus_worker_process_matches_in_process(ckpt, monkeypatch):
-    prompts = [[5 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate([3, 17, 9, 40, 1, 25, 12, 60])]
-    prompts = [{"prompt_token_ids": p} for p in prompts]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in [5, 1, 9, 3, 12, 7, 2, 6]]
-    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20)
-    inproc_llm = LLM(ckpt, **kw)
-    assert type(inproc_llm.llm_engine.engine_core.engine_core.model_executor).__name__ == "UniProcExecutor"
-    expected = [o.outputs[0].token_ids for o in inproc_llm.generate(prompts, params, use_tqdm=False)]
-    inproc_llm.llm_engine.shutdown()
+KW = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20)
+PROMPTS = [{"prompt_token_ids": [5 + (7 * i + j) % 90 for j in range(n)]} for i, n in enumerate([3, 17, 9, 40, 1, 25, 12, 60])]
+PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in [5, 1, 9, 3, 12, 7, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    "Greedy token ids of the in-process path (engine core and UniProcExecutor in this process)."
+    llm = LLM(ckpt, **KW)
+    assert type(llm.llm_engine.engine_core.engine_core.model_executor).__name__ == "UniProcExecutor"
+    try: return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally: llm.llm_engine.shutdown()
+
+
+def test_in_process_engine_with_worker_process_matches(ckpt, expected):
+    before = shm_segments()
+    llm = LLM(ckpt, distributed_executor_backend="mp", **KW)
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        assert isinstance(executor, MultiprocExecutor) and executor.workers[0].proc.is_alive()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.shutdown()
+    assert shm_segments() <= before and not executor.workers[0].proc.is_alive()
+
+
+def test_engine_process_plus_worker_process_matches_in_process(ckpt, expected, monkeypatch):
+    prompts, params, kw = PROMPTS, PARAMS, KW
     before = shm_segments()
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = LLM(ckpt, distributed_executor_backend="mp", **kw)
