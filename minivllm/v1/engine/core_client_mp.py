@@ -67,6 +67,7 @@ class BackgroundResources:
     "What must be released when the client goes away (also via a weakref finalizer). Source: vLLM `BackgroundResources`."
     def __init__(self, ctx: zmq.Context):
         self.ctx, self.proc, self.sockets, self.paths = ctx, None, [], []
+        self.output_thread: threading.Thread | None = None  # the sync client's socket reader
         self.engine_dead = False
         self.shutting_down = False
 
@@ -77,6 +78,12 @@ class BackgroundResources:
             proc.terminate()
             proc.join(5)
             if proc.is_alive(): proc.kill(); proc.join(1)
+        t = self.output_thread
+        if t is not None and t is not threading.current_thread():
+            # A ZMQ socket must not be closed while another thread polls it (libzmq aborts the process). The
+            # reader polls the process sentinel too, so the dead engine wakes it at once and it sees shutting_down.
+            t.join(5)
+            if t.is_alive(): self.sockets = []  # still stuck: leave the sockets to process exit
         for s in self.sockets:
             try: s.close(linger=0)
             except Exception: pass
@@ -177,6 +184,7 @@ class SyncMPClient(MPClient):
         self.resources.sockets.append(self.output_socket)
         self._send_lock = threading.Lock()
         self.output_thread = threading.Thread(target=self._process_outputs_socket, daemon=True, name="EngineCoreOutputQueueThread")
+        self.resources.output_thread = self.output_thread
         self.output_thread.start()
 
     def _process_outputs_socket(self) -> None:
