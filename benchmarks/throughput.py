@@ -29,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# This folder holds kernels.py, which would shadow the repository's `kernels` package (the attention kernels).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+# Run from a checkout without installing: the repository root (minivllm/, kernels/) comes first.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@
 #           tiny Qwen3/Llama/Gemma3 greedy with the Triton backend and FULL_DECODE_ONLY / FULL graphs equal to the
 #           torch reference) and tests/test_cudagraph_runner.py (its GPU test: FULL, PIECEWISE and
 #           FULL_AND_PIECEWISE graphs, Triton and torch-reference attention, equal to eager and the reference);
-#        b. benchmarks/kernels.py (<= 60 s);
+#        b. benchmarks/attention_kernels.py (<= 60 s);
 #        c. benchmarks/throughput.py (<= 150 s) on a random-weight Qwen3-0.6B-shaped checkpoint (bf16), eager
 #           (--enforce-eager) then FULL_AND_PIECEWISE, nano-vllm's workload shape (input and output lengths
 #           uniform in 100..1024) but THROUGHPUT_PROMPTS=128 prompts instead of nano-vllm's 256 to fit the
@@ -54,13 +54,13 @@ if [ -n "${GPU_VALIDATE_DRY_RUN:-}" ]; then  # here, on the CPU: only check that
   timeout 600 $PY benchmarks/throughput.py --random-weights qwen3-0.6b --skip-hf --num-prompts 2 --max-len 16 \
     --output-len 4 --enforce-eager --cudagraph-mode FULL_AND_PIECEWISE --output-json "$LOG/throughput.json" \
     2>&1 | tee "$LOG/throughput.txt" || rc=1
-  $PY benchmarks/kernels.py --help >/dev/null || rc=1
+  $PY benchmarks/attention_kernels.py --help >/dev/null || rc=1
   echo "gpu_validate (dry run): rc=$rc" | tee -a "$LOG/tests.txt"
   exit $rc
 fi
 timeout 270 $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cudagraph_runner.py -rs \
   2>&1 | tee "$LOG/tests.txt" || rc=1
-timeout 60 $PY benchmarks/kernels.py --iters 20 2>&1 | tee "$LOG/bench_kernels.txt" || rc=1
+timeout 60 $PY benchmarks/attention_kernels.py --iters 20 2>&1 | tee "$LOG/bench_kernels.txt" || rc=1
 timeout 150 $PY benchmarks/throughput.py --device cuda --random-weights qwen3-0.6b --skip-hf \
   --num-prompts "${THROUGHPUT_PROMPTS:-128}" --min-len 100 --max-len 1024 --min-output-len 100 --max-output-len 1024 \
   --max-num-seqs 512 --max-num-batched-tokens 8192 --enforce-eager --cudagraph-mode FULL_AND_PIECEWISE \

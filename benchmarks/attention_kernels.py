@@ -1,4 +1,4 @@
-"""Kernel micro-benchmark: paged attention and reshape_and_cache, Triton vs the torch reference vs SDPA.
+"""Kernel micro-benchmark: paged attention and reshape_and_cache, the kernels vs the torch reference vs SDPA.
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head size 128, bfloat16), block size 16,
 block tables shuffled over the pool. Three steps:
@@ -7,7 +7,8 @@ block tables shuffled over the pool. Three steps:
 - prefill: `--num-prompts` prompts of `--prompt-len` tokens, no cached context;
 - mixed: half the decode batch plus two prompt chunks of `--prompt-len // 2` after 1024 cached tokens.
 
-For each: `kernels.unified_attention` (one launch for the whole step), the torch reference backend's
+For each: the step's kernel (on CUDA the Triton `kernels.unified_attention`, one launch for the whole step;
+on the CPU the C kernel `kernels.cpu_attention.unified_attention_cpu`, one call), the torch reference backend's
 `forward` (minus its K/V write; metadata built once outside the timing, as the runner does once per step
 for all layers) and `torch.nn.functional.scaled_dot_product_attention` on the same K/V laid out densely
 (no paging; decodes padded to the longest context and masked; prompts as one causal batch). And
@@ -15,11 +16,14 @@ for all layers) and `torch.nn.functional.scaled_dot_product_attention` on the sa
 
 "GB/s" is the minimum traffic (each K/V byte of every request's context read once, queries read, outputs
 written; for the cache write: rows read + written) over the median time (CUDA events, `--iters` runs after
-warm-up), next to the copy bandwidth measured here (a 1 GiB device-to-device `copy_`, read + write).
+warm-up), next to the copy bandwidth measured here (a 1 GiB `copy_`, read + write).
 
-    python benchmarks/kernels.py                  # on a CUDA machine
-    python benchmarks/kernels.py --batch 64 --iters 20
-On a machine without CUDA it says so and times the torch reference alone on a small decode step.
+    python benchmarks/attention_kernels.py                  # CUDA if present, else the CPU
+    python benchmarks/attention_kernels.py --batch 64 --iters 20
+    python benchmarks/attention_kernels.py --device cpu --dtype float32 --batch 64 --ctx-min 200 --ctx-max 330 \
+        --num-prompts 4 --prompt-len 256 --iters 10      # SmolLM2-sized work on a small CPU
+(The file is not called kernels.py: a script's folder comes first on sys.path, and a benchmarks/kernels.py
+would shadow the repository's `kernels` package for every script in this folder.)
 """
 from __future__ import annotations
 
@@ -58,8 +62,8 @@ def bench(fn, iters: int, device: str) -> float:
 
 def copy_bandwidth(device: str) -> float:
     "Bytes/s of a device-to-device copy (read + write counted)."
-    n = 1 << 29  # 1 GiB of bf16
-    a, b = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
+    n = 1 << 29 if device == "cuda" else 1 << 26  # 1 GiB on a GPU, 128 MiB on the CPU, of bf16
+    a, b = torch.zeros(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
     return 2 * a.numel() * a.element_size() / bench(lambda: b.copy_(a), 10, device)
 
 
@@ -110,8 +114,13 @@ def attention_bytes(query_lens, seq_lens, elem):
 
 
 def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
-    from kernels.reshape_and_cache import reshape_and_cache
-    from kernels.unified_attention import unified_attention
+    if device == "cuda":
+        from kernels.reshape_and_cache import reshape_and_cache
+        from kernels.unified_attention import unified_attention
+        kernel_label, cache_label = "triton unified_attention", "triton reshape_and_cache"
+    else:  # Triton would only run interpreted here: time the C kernel; the cache write is the reference's
+        from kernels.cpu_attention import unified_attention_cpu as unified_attention
+        reshape_and_cache, kernel_label, cache_label = None, "cpu unified_attention_cpu", None
     cm, kv, q, k, v = make_step(query_lens, seq_lens, device, dtype)
     T, elem = cm.num_actual_tokens, kv.element_size()
     md = torch_ref.TorchRefAttentionMetadataBuilder(FullAttentionSpec(BS, HKV, D, dtype), ["l"], None, device).build(0, cm)
@@ -120,7 +129,7 @@ def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
     no_write = md.slot_mapping.new_full(md.slot_mapping.shape, -1)
     md_read_only = type(md)(**{**md.__dict__, "slot_mapping": no_write})
     rows = {
-        "triton unified_attention": lambda: unified_attention(q.view(T, HQ, D), kv[0], kv[1], out, cm.query_start_loc, cm.seq_lens,
+        kernel_label: lambda: unified_attention(q.view(T, HQ, D), kv[0], kv[1], out, cm.query_start_loc, cm.seq_lens,
                                                               cm.block_table_tensor, D ** -0.5, cm.max_query_len),
         "torch reference (paged)": lambda: impl.forward(None, q, k, v, kv, md_read_only),
         "torch SDPA (dense, no paging)": sdpa_dense(query_lens, seq_lens, q, dtype, device),
@@ -134,8 +143,10 @@ def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
     kc, vc = kv[0].clone(), kv[1].clone()
     kk, vv = k.view(T, HKV, D), v.view(T, HKV, D)
     wbytes = 2 * 2 * T * HKV * D * elem
-    for label, fn in (("triton reshape_and_cache", lambda: reshape_and_cache(kk, vv, kc, vc, cm.slot_mapping)),
-                      ("torch reference reshape_and_cache", lambda: torch_ref.reshape_and_cache(kk, vv, kc, vc, cm.slot_mapping))):
+    writers = [("torch reference reshape_and_cache", lambda: torch_ref.reshape_and_cache(kk, vv, kc, vc, cm.slot_mapping))]
+    if reshape_and_cache is not None:
+        writers.insert(0, (cache_label, lambda: reshape_and_cache(kk, vv, kc, vc, cm.slot_mapping)))
+    for label, fn in writers:
         t = bench(fn, args.iters, device)
         print(f"  {label:32s} {t * 1e6:9.1f} us  {wbytes / t / 1e9:8.1f} GB/s  ({100 * wbytes / t / peak:5.1f}% of copy)")
 
@@ -149,27 +160,24 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available, else cpu")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        from kernels.cpu_attention import cpu_attention_available
+        if not cpu_attention_available():
+            sys.exit("the CPU attention kernel cannot be built here (no C compiler?): nothing to compare")
     rng = random.Random(0)
-    if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs CUDA for the Triton kernels (on the CPU they only run in Triton's "
-              "interpreter, which is for tests, not timing). Timing the torch reference alone on a small decode step:")
-        ctx = [rng.randint(64, 256) for _ in range(16)]
-        cm, kv, q, k, v = make_step([1] * 16, ctx, "cpu", torch.float32)
-        md = torch_ref.TorchRefAttentionMetadataBuilder(FullAttentionSpec(BS, HKV, D, torch.float32), ["l"], None, "cpu").build(0, cm)
-        impl = torch_ref.TorchRefAttentionImpl(HQ, D, D ** -0.5, HKV)
-        t = bench(lambda: impl.forward(None, q, k, v, kv, md), 5, "cpu")
-        print(f"  torch reference, 16 decodes, {sum(ctx)} context tokens: {t * 1e3:.2f} ms per layer")
-        return
     torch.manual_seed(0)
-    peak = copy_bandwidth("cuda")
-    print(f"{torch.cuda.get_device_name()}  dtype={args.dtype}  copy bandwidth {peak / 1e9:.0f} GB/s (read + write)")
+    peak = copy_bandwidth(device)
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{name}  dtype={args.dtype}  copy bandwidth {peak / 1e9:.0f} GB/s (read + write)")
     dec_ctx = [rng.randint(args.ctx_min, args.ctx_max) for _ in range(args.batch)]
-    run_step("decode", [1] * args.batch, dec_ctx, args, "cuda", dtype, peak)
-    run_step("prefill", [args.prompt_len] * args.num_prompts, [args.prompt_len] * args.num_prompts, args, "cuda", dtype, peak)
+    run_step("decode", [1] * args.batch, dec_ctx, args, device, dtype, peak)
+    run_step("prefill", [args.prompt_len] * args.num_prompts, [args.prompt_len] * args.num_prompts, args, device, dtype, peak)
     half, chunk = dec_ctx[:args.batch // 2], args.prompt_len // 2
-    run_step("mixed", [1] * len(half) + [chunk, chunk], half + [1024 + chunk, 1024 + chunk], args, "cuda", dtype, peak)
+    run_step("mixed", [1] * len(half) + [chunk, chunk], half + [1024 + chunk, 1024 + chunk], args, device, dtype, peak)
 
 
 if __name__ == "__main__":
