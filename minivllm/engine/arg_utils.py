@@ -81,9 +81,9 @@ class EngineArgs:
                                    num_gpu_blocks_override=self.num_gpu_blocks_override,
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    prefix_caching_hash_algo=self.prefix_caching_hash_algo)
-        max_tokens = self.max_num_batched_tokens or 8192
+        max_tokens = 8192 if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         if not self.enable_chunked_prefill: max_tokens = max(max_tokens, model_config.max_model_len)
-        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=self.max_num_seqs or 256,
+        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=256 if self.max_num_seqs is None else self.max_num_seqs,
                                            max_model_len=model_config.max_model_len,
                                            enable_chunked_prefill=self.enable_chunked_prefill,
                                            long_prefill_token_threshold=self.long_prefill_token_threshold,

@@ -148,6 +148,9 @@ def _done(entry: tuple) -> bool:
     return not isinstance(fut, Future) or fut.done()
 
 # %% ../../../nbs/24_engine_core.ipynb #2d9f56a8
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
 import threading
 
@@ -155,6 +158,21 @@ from . import EngineCoreOutput, EngineCoreRequestType, FinishReason
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 READY = b"READY"
+
+def _exit_with_parent() -> None:
+    """In a spawned engine process: stop when the process that started it dies, however it died (SIGKILL,
+    an unhandled SIGTERM): a daemon thread waits on the parent's sentinel, then SIGTERMs this process so the
+    normal shutdown runs (its workers follow through their own death pipes); a hard exit if that hangs.
+    Source: the role of vLLM's parent-death handling in v1/engine/core.py (role)."""
+    parent = multiprocessing.parent_process()
+    if parent is None: return
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.warning("EngineCore: the front-end process is gone; shutting down")
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(10)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="EngineCoreParentWatch").start()
 
 class EngineCoreProc(EngineCore):
     """`EngineCore` serving a client over ZMQ from its own process. `input_address` / `output_address`: the
@@ -177,19 +195,26 @@ class EngineCoreProc(EngineCore):
         if not ready.wait(timeout=60): raise RuntimeError("EngineCoreProc: input socket did not come up")
 
     @staticmethod
-    def run_engine_core(*args, **kwargs) -> None:
-        "Process entry point: build the engine (model load, KV sizing, handshake) and run the busy loop until SIGTERM."
+    def run_engine_core(*args, startup_error_conn: Any = None, **kwargs) -> None:
+        """Process entry point: build the engine (model load, KV sizing, handshake) and run the busy loop until
+        SIGTERM, or until the front-end process dies. startup_error_conn: optional write end of a pipe that
+        receives `(exception type name, message)` if start-up fails, so the client can re-raise it."""
         def _term(signum, frame): raise SystemExit(0)
         signal.signal(signal.SIGTERM, _term)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client decides when we stop
+        _exit_with_parent()
         engine_core = None
         try:
             engine_core = EngineCoreProc(*args, **kwargs)
             engine_core.run_busy_loop()
         except SystemExit:
             logger.debug("EngineCore exiting")
-        except BaseException:
-            if engine_core is None: logger.exception("EngineCore failed to start.")
+        except BaseException as e:
+            if engine_core is None:
+                logger.exception("EngineCore failed to start.")
+                if startup_error_conn is not None:
+                    try: startup_error_conn.send((type(e).__name__, str(e)))
+                    except Exception: pass
             else:
                 logger.exception("EngineCore encountered a fatal error.")
                 engine_core._send_engine_dead()

@@ -110,13 +110,17 @@ class MPClient(EngineCoreClient):
         self.resources.sockets.append(self._sync_input)
         self.engine_identity = (0).to_bytes(2, "little")
         _check_not_bootstrapping()
-        proc = _mp_context().Process(
+        mp_ctx = _mp_context()
+        # the child sends its start-up exception here, so it can be re-raised with its own type and message
+        self._startup_errors, error_conn = mp_ctx.Pipe(duplex=False)
+        proc = mp_ctx.Process(
             target=EngineCoreProc.run_engine_core, name="EngineCore_0", daemon=True,
             kwargs=dict(vllm_config=vllm_config, executor_class=executor_class, log_stats=log_stats,
                         input_address=self.input_address, output_address=self.output_address,
-                        identity=self.engine_identity))
+                        identity=self.engine_identity, startup_error_conn=error_conn))
         self.resources.proc = self.proc = proc
         proc.start()
+        error_conn.close()
         self._wait_for_engine_startup(startup_timeout)
         self.utility_results: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -134,10 +138,18 @@ class MPClient(EngineCoreClient):
                 if msg_type != READY: raise RuntimeError(f"unexpected message from the engine core: {msg_type!r}")
                 info = MsgpackDecoder().decode(frames)
                 self.vllm_config.cache_config.num_gpu_blocks = info["num_gpu_blocks"]
+                self._startup_errors.close()  # only start-up failures travel on it
                 return
             if self.proc.sentinel in events or not self.proc.is_alive():
                 self.resources.engine_dead = True
                 self.shutdown()
+                err = None
+                try:  # poll is also true at EOF: the child died before it could report (e.g. during bootstrap)
+                    if self._startup_errors.poll(1.0): err = self._startup_errors.recv()
+                except (EOFError, OSError): pass
+                if err is not None:  # the engine raised while starting: same type for ValueError, its message
+                    cls = ValueError if err[0] == "ValueError" else RuntimeError
+                    raise cls(f"Engine core initialization failed: {err[0]}: {err[1]}" if cls is RuntimeError else err[1])
                 raise RuntimeError(f"Engine core initialization failed (exit code {self.proc.exitcode}). "
                                    "See the root cause above. (A script without an `if __name__ == \"__main__\":` "
                                    "guard fails this way: " + _MAIN_GUARD_HINT + ")")
