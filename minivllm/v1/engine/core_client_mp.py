@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import tempfile
@@ -273,7 +274,9 @@ class AsyncMPClient(MPClient):
         self.outputs_queue = asyncio.Queue()
         self.queue_task = loop.create_task(self._process_outputs_socket(), name="EngineCoreOutputQueueTask")
         def watch():
-            self.proc.join()
+            # wait on the sentinel, never join(): two threads reaping one child race, and the loser's
+            # is_alive() then reports a dead process as alive
+            multiprocessing.connection.wait([self.proc.sentinel])
             if not self.resources.shutting_down and not loop.is_closed():
                 loop.call_soon_threadsafe(self._on_engine_dead)
         threading.Thread(target=watch, daemon=True, name="EngineCoreMonitor").start()
