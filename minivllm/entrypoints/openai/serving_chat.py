@@ -132,19 +132,25 @@ async def chat_completion_stream_generator(self: OpenAIServingChat, request: Cha
     created = int(time.time())
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     def chunk(choices, usage=None):
-        return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage))
+        # Only what is set goes out (vLLM dumps chunks with exclude_unset): a content delta has no "role": null,
+        # and "usage" appears only in the final usage chunk.
+        extra = {} if usage is None else {"usage": usage}
+        return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
+                                                model=model_name, choices=choices, **extra), exclude_unset=True)
     num_gen = 0
     try:
         # the role comes first, once per choice, as OpenAI sends it
-        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
-                     for i in range(request.n)])
+        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""),
+                                                        logprobs=None, finish_reason=None) for i in range(request.n)])
         async for _, res in merge_async_iterators(gen):
             for out in res.outputs:
                 if not (out.text or out.token_ids or out.finish_reason): continue
                 num_gen += len(out.token_ids)
                 logprobs = self._create_chat_logprobs(out.token_ids, out.logprobs, num_logprobs) if num_logprobs is not None else None
+                # finish_reason is always sent (null until the end); stop_reason only with the last chunk
+                end = {"stop_reason": out.stop_reason} if out.finish_reason else {}
                 yield chunk([ChatCompletionResponseStreamChoice(index=out.index, delta=DeltaMessage(content=out.text), logprobs=logprobs,
-                                                                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                                                                finish_reason=out.finish_reason, **end)])
         if include_usage:
             yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen, total_tokens=num_prompt_tokens + num_gen))
     except ValueError as e:

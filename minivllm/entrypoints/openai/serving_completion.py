@@ -149,9 +149,10 @@ async def _start_stream(self: OpenAIServingCompletion, request, gens, inputs, re
     except ValueError as e: return self._error_from_value_error(e)
     return self.completion_stream_generator(request, [_chain(f, g) for f, g in zip(firsts, gens)], inputs, request_id, model_name)
 
-def sse(obj: Any) -> str:
-    "One server-sent event carrying a pydantic model (or a ready JSON string)."
-    return f"data: {obj if isinstance(obj, str) else obj.model_dump_json()}\n\n"
+def sse(obj: Any, exclude_unset: bool = False) -> str:
+    """One server-sent event carrying a pydantic model (or a ready JSON string). `exclude_unset` drops the
+    fields the producer never set, as vLLM does for streamed chat chunks (`delta` then carries only what changed)."""
+    return f"data: {obj if isinstance(obj, str) else obj.model_dump_json(exclude_unset=exclude_unset)}\n\n"
 
 OpenAIServingCompletion._start_stream = _start_stream
 
