@@ -14,7 +14,8 @@ the ratio to the first minivllm configuration (and to transformers unless --skip
     # CPU smoke test of the same path (slow, but it must work):
     python benchmarks/throughput.py --random-weights qwen3-0.6b --skip-hf --num-prompts 2 --max-len 16 --output-len 4
 
---enforce-eager adds an eager run; each --cudagraph-mode adds a run with that mode (on the CPU every run is
+--enforce-eager adds an eager run; each --custom-ops SPEC adds a run with `custom_ops=SPEC.split(",")` (e.g.
+`--custom-ops none all`: the torch layers vs the fused CPU kernels); each --cudagraph-mode adds a run with that mode (on the CPU every run is
 eager: graphs are CUDA-only). With neither, one run uses the engine's default (env MINIVLLM_CUDAGRAPH_MODE,
 else NONE). Engine start-up time (weights, KV cache, graph capture) is printed but not counted.
 """
@@ -134,6 +135,7 @@ def engine_configs(args) -> list[tuple[str, dict]]:
     "(label, extra LLM kwargs) per minivllm run, in order."
     runs = [("eager", {"enforce_eager": True})] if args.enforce_eager else []
     runs += [(m.upper(), {"compilation_config": {"cudagraph_mode": m.upper()}}) for m in args.cudagraph_mode or []]
+    runs += [(f"custom_ops={spec}", {"compilation_config": {"custom_ops": spec.split(",")}}) for spec in args.custom_ops or []]
     return runs or [("default", {})]
 
 
@@ -158,6 +160,9 @@ def main():
     ap.add_argument("--cudagraph-mode", nargs="+", default=None,
                     help="one minivllm run per CUDA graph mode (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE)")
     ap.add_argument("--enforce-eager", action="store_true", help="add a minivllm run with enforce_eager=True")
+    ap.add_argument("--custom-ops", nargs="+", default=None, metavar="SPEC",
+                    help="one minivllm run per CompilationConfig.custom_ops setting, comma-separated "
+                         "(e.g. --custom-ops none all, or none,+rms_norm): the fused CPU kernels off / on")
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     ap.add_argument("--output-json", default=None, help="also write the results to this file")
     args = ap.parse_args()
