@@ -11,3 +11,19 @@ os.environ.setdefault("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def pytest_configure(config):
     # `make test` deselects these; benchmarks-like checks that are too slow for the default suite.
     config.addinivalue_line("markers", "slow: too slow for the default suite (run with -m slow)")
+
+
+# IPC endpoints (ipc://$TMPDIR/minivllm-*) are unlinked by whoever bound them, but tests that SIGKILL an engine
+# or a worker leave the dead process's socket files behind. Point the temp folder (here and in every child
+# process, which inherits TMPDIR) at one folder per test session and remove it at the end. Short path: a unix
+# socket path must stay under 108 bytes.
+import shutil
+import tempfile
+
+_SESSION_TMP = tempfile.mkdtemp(prefix="mvt-")
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = _SESSION_TMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
