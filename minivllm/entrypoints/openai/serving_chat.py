@@ -139,9 +139,10 @@ async def chat_completion_stream_generator(self: OpenAIServingChat, request: Cha
                                                 model=model_name, choices=choices, **extra), exclude_unset=True)
     num_gen = 0
     try:
-        # the role comes first, once per choice, as OpenAI sends it
-        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""),
-                                                        logprobs=None, finish_reason=None) for i in range(request.n)])
+        # the role comes first, once per choice and one choice per chunk, as OpenAI and vLLM send it
+        for i in range(request.n):
+            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""),
+                                                            logprobs=None, finish_reason=None)])
         async for _, res in merge_async_iterators(gen):
             for out in res.outputs:
                 if not (out.text or out.token_ids or out.finish_reason): continue

@@ -29,7 +29,7 @@ def param_of(message: str, known: tuple[str, ...]) -> str | None:
 # %% ../../../nbs/55_serving_engine.ipynb #5d459b37
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "stop", "seed",
-                   "max_completion_tokens", "prompt_logprobs")
+                   "max_completion_tokens", "prompt_logprobs", "logit_bias", "stop_token_ids", "priority")
 
 class OpenAIServing:
     """Shared front half of every OpenAI handler. `engine_client`: an `AsyncLLM`; `models`: the served names.
