@@ -117,3 +117,68 @@ def test_greedy_is_argmax(llm):
     for sp in variants:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert got == base, sp
+
+
+# Values that used to reach the engine and kill it (EngineDeadError for every later call), or fail at
+# serialization: each is now a ValueError naming the field, and the engine keeps serving.
+ENGINE_KILLERS = [  # (kwargs, words the message must contain)
+    (dict(min_tokens=2, stop_token_ids=[10 ** 8]), ["stop_token_ids", "out of vocabulary"]),
+    (dict(stop_token_ids=[-3, 99999999]), ["stop_token_ids"]),
+    (dict(min_tokens=2, stop_token_ids=[-1]), ["stop_token_ids"]),
+    (dict(logit_bias={10 ** 6: 1.0}), ["logit_bias", "out of vocabulary"]),
+    (dict(logprobs=100000), ["logprobs", "max allowed: 20"]),
+    (dict(prompt_logprobs=100000), ["prompt_logprobs", "max allowed: 20"]),
+    (dict(logprobs=21), ["logprobs", "max allowed: 20"]),
+    (dict(seed=2 ** 64, temperature=1.0), ["seed"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,words", ENGINE_KILLERS)
+def test_engine_killers_are_rejected(llm, kwargs, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate("hello", SamplingParams(max_tokens=3, **kwargs), use_tqdm=False)
+    for w in words: assert w in str(e.value), str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate("hello", GOOD, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_largest_allowed_logprobs_and_seed(llm):
+    out = llm.generate("hello", SamplingParams(temperature=1.0, seed=2 ** 64 - 1, max_tokens=2, logprobs=20, prompt_logprobs=20),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2 and len(out.outputs[0].logprobs[0]) >= 20
+
+
+def test_max_logprobs_flag(ckpt):
+    small = LLM(ckpt, dtype="float32", max_model_len=MAX_MODEL_LEN, max_logprobs=2)
+    try:
+        with pytest.raises(ValueError, match="max allowed: 2"):
+            small.generate("hello", SamplingParams(max_tokens=1, logprobs=3), use_tqdm=False)
+        assert small.generate("hello", SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0].outputs[0].logprobs
+    finally:
+        small.llm_engine.shutdown()
+
+
+def test_logit_bias_bans_and_forces(llm):
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    base = llm.generate("hello world", sp, use_tqdm=False)[0].outputs[0].token_ids
+    banned = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                        logit_bias={base[0]: -100}), use_tqdm=False)[0].outputs[0].token_ids
+    assert banned[0] != base[0] and base[0] not in banned
+    forced = llm.generate(["hello world", "the cat"], [SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True,
+                                                                      logit_bias={11: 100}), sp], use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [11, 11, 11]
+    assert forced[1].outputs[0].token_ids == llm.generate("the cat", sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_offline_validation_gaps():
+    for kw, word in [(dict(stop=["x"], detokenize=False), "detokenize"), (dict(max_tokens="5"), "max_tokens"),
+                     (dict(max_tokens=2.5), "max_tokens"), (dict(temperature="0.5"), "temperature")]:
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("prompts", [None, 5, 2.5, [None], object()])
+def test_generate_says_what_a_prompt_may_be(llm, prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompts, GOOD, use_tqdm=False)
+    assert len(llm.generate("hello", GOOD, use_tqdm=False)) == 1
