@@ -83,3 +83,69 @@ def test_stream_n2_one_choice_per_chunk(fake, path, body):
 def test_bad_priority_names_priority(real, path, body):
     status, err = real.post(path, {"model": "tiny", "max_tokens": 2, "priority": 5, **body})
     assert status == 400 and err["error"]["param"] == "priority", err
+
+
+def test_completion_echo_logprobs_cover_the_prompt(real):
+    prompt = "The quick brown fox"
+    n_prompt = real.count_tokens(prompt=prompt)
+    status, r = real.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                              "logprobs": 1, "echo": True})
+    assert status == 200, r
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt)
+    assert len(lp["tokens"]) == n_prompt + r["usage"]["completion_tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None      # nothing precedes the first token
+    assert all(x is not None and x <= 0 for x in lp["token_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # the prompt part agrees with prompt_logprobs, which echo+logprobs also returns (vLLM's shape)
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None
+    ids = real.post("/tokenize", {"model": "tiny", "prompt": prompt})[1]["tokens"]
+    for k in range(1, n_prompt):
+        entry = plp[k][str(ids[k])]
+        assert abs(entry["logprob"] - lp["token_logprobs"][k]) < 1e-6 and set(entry) == {"logprob", "rank", "decoded_token"}
+    # streamed: the same tokens and offsets, spread over the chunks
+    chunks = _sse_body(real, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                 "logprobs": 1, "echo": True, "stream": True})
+    assert sum((c["choices"][0]["logprobs"]["tokens"] for c in chunks), []) == lp["tokens"]
+    assert sum((c["choices"][0]["logprobs"]["text_offset"] for c in chunks), []) == lp["text_offset"]
+
+
+def _sse_body(server, path, body):
+    return [c for c in _sse(server, path, body) if c.get("choices")]
+
+
+def test_prompt_logprobs_extra_field(real):
+    status, r = real.post("/v1/completions", {"model": "tiny", "prompt": "one two three", "max_tokens": 1, "prompt_logprobs": 2})
+    assert status == 200, r
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
+    assert all(1 <= len(step) <= 3 for step in plp[1:])            # the prompt token + the top 2
+    status, c = real.post("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 1})
+    assert status == 200, c
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    # without it, nothing is computed or returned
+    assert real.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})[1]["choices"][0]["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 100000}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "stream"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "stream")])
+def test_prompt_logprobs_refused(real, path, body, words):
+    status, err = real.post(path, {"model": "tiny", "max_tokens": 1, **body})
+    assert status == 400 and err["error"]["param"] == "prompt_logprobs" and words in err["error"]["message"], err
+
+
+def test_chat_echo_continue_final_message(real):
+    partial = "Sure, the count is"
+    msgs = CHAT + [{"role": "assistant", "content": partial}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "temperature": 0, "continue_final_message": True,
+            "add_generation_prompt": False}
+    plain = real.post("/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
+    echoed = real.post("/v1/chat/completions", {**body, "echo": True})[1]["choices"][0]["message"]
+    assert echoed == {"role": "assistant", "content": partial + plain}
+    streamed = _sse_body(real, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == partial + plain

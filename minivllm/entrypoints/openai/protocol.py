@@ -11,16 +11,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...outputs import Logprob
 from ...sampling_params import RequestOutputKind, SamplingParams
 
 # %% auto #0
-__all__ = ['TokenizeRequest', 'OpenAIBaseModel', 'random_uuid', 'ErrorInfo', 'ErrorResponse', 'UsageInfo', 'StreamOptions',
-           'ModelCard', 'ModelList', 'CompletionRequest', 'ChatCompletionRequest', 'TokenizeCompletionRequest',
-           'TokenizeChatRequest', 'TokenizeResponse', 'DetokenizeRequest', 'DetokenizeResponse', 'CompletionLogProbs',
-           'CompletionResponseChoice', 'CompletionResponse', 'CompletionResponseStreamChoice',
-           'CompletionStreamResponse', 'ChatCompletionLogProb', 'ChatCompletionLogProbsContent',
-           'ChatCompletionLogProbs', 'ChatMessage', 'ChatCompletionResponseChoice', 'ChatCompletionResponse',
-           'DeltaMessage', 'ChatCompletionResponseStreamChoice', 'ChatCompletionStreamResponse']
+__all__ = ['TokenizeRequest', 'PromptLogprobsField', 'OpenAIBaseModel', 'random_uuid', 'ErrorInfo', 'ErrorResponse', 'UsageInfo',
+           'StreamOptions', 'ModelCard', 'ModelList', 'CompletionRequest', 'ChatCompletionRequest',
+           'TokenizeCompletionRequest', 'TokenizeChatRequest', 'TokenizeResponse', 'DetokenizeRequest',
+           'DetokenizeResponse', 'clamp_prompt_logprobs', 'CompletionLogProbs', 'CompletionResponseChoice',
+           'CompletionResponse', 'CompletionResponseStreamChoice', 'CompletionStreamResponse', 'ChatCompletionLogProb',
+           'ChatCompletionLogProbsContent', 'ChatCompletionLogProbs', 'ChatMessage', 'ChatCompletionResponseChoice',
+           'ChatCompletionResponse', 'DeltaMessage', 'ChatCompletionResponseStreamChoice',
+           'ChatCompletionStreamResponse']
 
 # %% ../../../nbs/53_openai_protocol.ipynb #6a0a9fca
 class OpenAIBaseModel(BaseModel):
@@ -84,8 +86,16 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    prompt_logprobs: int | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind) -> SamplingParams:
+    def _check_prompt_logprobs(self, prompt_logprobs: int | None, max_logprobs: int) -> None:
+        if self.prompt_logprobs is not None and self.prompt_logprobs != 0 and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream=true.")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= max_logprobs:
+            raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {prompt_logprobs}.")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -93,7 +103,7 @@ class _SamplingFields(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, spaces_between_special_tokens=self.spaces_between_special_tokens,
             output_kind=output_kind)
 
@@ -110,11 +120,16 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        "Raises `ValueError` naming the field for out-of-range values."
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20: raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}.")
+    def to_sampling_params(self, max_tokens: int | None, max_logprobs: int = 20) -> SamplingParams:
+        """Raises `ValueError` naming the field for out-of-range values. `echo` with `logprobs` also asks for
+        the prompt's logprobs (the echoed tokens need them), unless `prompt_logprobs` is given."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}.")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo: prompt_logprobs = self.logprobs
+        self._check_prompt_logprobs(prompt_logprobs, max_logprobs)
         return self._sampling_params(max_tokens, self.logprobs,
-                                     RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+                                     RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY, prompt_logprobs)
 
 # %% ../../../nbs/53_openai_protocol.ipynb #7a388d51
 class ChatCompletionRequest(_SamplingFields):
@@ -138,13 +153,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None: return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, max_logprobs: int = 20) -> SamplingParams:
         "Raises `ValueError` naming the field for out-of-range values."
         top = self.top_logprobs or 0
-        if not 0 <= top <= 20: raise ValueError(f"top_logprobs must be in [0, 20], got {top}.")
+        if not 0 <= top <= max_logprobs: raise ValueError(f"top_logprobs must be in [0, {max_logprobs}], got {top}.")
         if top and not self.logprobs: raise ValueError("top_logprobs requires logprobs to be set to true.")
+        self._check_prompt_logprobs(self.prompt_logprobs, max_logprobs)
         return self._sampling_params(max_tokens, top if self.logprobs else None,
-                                     RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+                                     RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY, self.prompt_logprobs)
 
 # %% ../../../nbs/53_openai_protocol.ipynb #8aae3415
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -178,6 +194,14 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 # %% ../../../nbs/53_openai_protocol.ipynb #1535e6be
+PromptLogprobsField = list[dict[int, Logprob] | None] | None
+
+def clamp_prompt_logprobs(prompt_logprobs: list | None) -> list | None:
+    "A copy of the engine's prompt logprobs with -inf (and below) raised to -9999.0. Source: vLLM serving_engine.py `clamp_prompt_logprobs`."
+    if prompt_logprobs is None: return None
+    return [None if step is None else {t: Logprob(max(lp.logprob, -9999.0), lp.rank, lp.decoded_token) for t, lp in step.items()}
+            for step in prompt_logprobs]
+
 class CompletionLogProbs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -190,6 +214,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 class CompletionResponse(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
@@ -244,6 +269,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None

@@ -11,7 +11,7 @@ from typing import Any
 
 from .protocol import (ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse, ChatMessage, DeltaMessage, ErrorResponse, UsageInfo, random_uuid)
+    ChatCompletionStreamResponse, ChatMessage, DeltaMessage, ErrorResponse, UsageInfo, clamp_prompt_logprobs, random_uuid)
 from .serving_completion import _chain, _prime, merge_async_iterators, sse
 from .serving_engine import OpenAIServing, create_error_response
 
@@ -62,6 +62,16 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine_client, models, max_model_len)
         self.chat_template, self.response_role = chat_template, response_role
 
+    def _get_role(self, request) -> str:
+        "The role of the answer. Source: vLLM serving_chat.py `get_chat_request_role`."
+        return self.response_role if request.add_generation_prompt else request.messages[-1].get("role", self.response_role)
+
+    def _echo_content(self, request) -> str:
+        "What `echo` prepends: the last message's content when it has the answer's role, else ''."
+        if not request.echo or not request.messages: return ""
+        last = parse_chat_messages(request.messages[-1:])[0]
+        return last["content"] if last["role"] == self._get_role(request) else ""
+
     def _render(self, request) -> tuple[str, list[int]]:
         "Prompt text and token ids of a chat request (template applied, no special tokens added on top)."
         template = getattr(request, "chat_template", None) or self.chat_template
@@ -80,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
             text, ids = self._render(request)
             max_tokens, err = self._validate_input(ids, request.requested_max_tokens(), "messages")
             if err is not None: return err
-            params = request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens, self.max_logprobs)
         except ValueError as e: return self._error_from_value_error(e)
         except Exception as e:   # a template that fails to render (jinja error) is the request's fault
             return create_error_response(f"messages: the chat template failed to render: {e}", param="messages")
@@ -117,15 +127,17 @@ async def chat_completion_full_generator(self: OpenAIServingChat, request: ChatC
         async for _, res in merge_async_iterators(gen): final = res
     except ValueError as e: return self._error_from_value_error(e)
     choices, num_gen = [], 0
+    role, echo = self._get_role(request), self._echo_content(request)
     for out in final.outputs:
         num_gen += len(out.token_ids)
         choices.append(ChatCompletionResponseChoice(
-            index=out.index, message=ChatMessage(role=self.response_role, content=out.text),
+            index=out.index, message=ChatMessage(role=role, content=echo + out.text),
             logprobs=self._create_chat_logprobs(out.token_ids, out.logprobs, num_logprobs) if num_logprobs is not None else None,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason))
     return ChatCompletionResponse(id=request_id, model=model_name, choices=sorted(choices, key=lambda c: c.index),
                                   usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen,
-                                                  total_tokens=num_prompt_tokens + num_gen))
+                                                  total_tokens=num_prompt_tokens + num_gen),
+                                  prompt_logprobs=clamp_prompt_logprobs(final.prompt_logprobs))
 
 async def chat_completion_stream_generator(self: OpenAIServingChat, request: ChatCompletionRequest, gen, request_id: str,
                                            model_name: str, num_prompt_tokens: int, num_logprobs: int | None) -> AsyncGenerator[str, None]:
@@ -140,9 +152,13 @@ async def chat_completion_stream_generator(self: OpenAIServingChat, request: Cha
     num_gen = 0
     try:
         # the role comes first, once per choice and one choice per chunk, as OpenAI and vLLM send it
+        role, echo = self._get_role(request), self._echo_content(request)
         for i in range(request.n):
-            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""),
+            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=role, content=""),
                                                             logprobs=None, finish_reason=None)])
+        if echo:   # the continued message's own text, once per choice, before the generated text
+            for i in range(request.n):
+                yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo), logprobs=None, finish_reason=None)])
         async for _, res in merge_async_iterators(gen):
             for out in res.outputs:
                 if not (out.text or out.token_ids or out.finish_reason): continue

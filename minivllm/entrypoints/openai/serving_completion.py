@@ -10,8 +10,9 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from .protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-    CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse, ErrorResponse, UsageInfo, random_uuid)
+from minivllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+    CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse, ErrorResponse, UsageInfo,
+    clamp_prompt_logprobs, random_uuid)
 from .serving_engine import OpenAIServing, create_error_response
 from ...outputs import RequestOutput
 
@@ -74,7 +75,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids = self._tokenize_prompt_input(p)
                 max_tokens, err = self._validate_input(ids, request.max_tokens, "prompt")
                 if err is not None: return err
-                inputs.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids, request.to_sampling_params(max_tokens)))
+                inputs.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids,
+                               request.to_sampling_params(max_tokens, self.max_logprobs)))
         except ValueError as e: return self._error_from_value_error(e)
         gens = [self.engine_client.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}",
                                             priority=request.priority) for i, (text, ids, params) in enumerate(inputs)]
@@ -83,6 +85,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.completion_full_generator(request, gens, inputs, request_id, model_name)
 
 # %% ../../../nbs/56_serving_completion.ipynb #b69426ef
+def _with_echo(echo: bool, prompt_text: str, prompt_ids: list[int], prompt_logprobs: list | None, text: str, token_ids: list[int],
+               logprobs: list | None) -> tuple[list[int], str, list | None]:
+    "(token ids, text, per-token logprobs) of one choice's output, the prompt's prepended when `echo`."
+    if not echo: return list(token_ids), text, logprobs
+    prompt_lps = prompt_logprobs if prompt_logprobs is not None else [None] * len(prompt_ids)
+    return [*prompt_ids, *token_ids], prompt_text + text, [*prompt_lps, *(logprobs or [None] * len(token_ids))]
+
 async def completion_full_generator(self: OpenAIServingCompletion, request: CompletionRequest, gens: list, inputs: list,
                                     request_id: str, model_name: str) -> CompletionResponse | ErrorResponse:
     finals: list[RequestOutput | None] = [None] * len(gens)
@@ -93,13 +102,14 @@ async def completion_full_generator(self: OpenAIServingCompletion, request: Comp
     for i, res in enumerate(finals):
         text, ids, params = inputs[i]
         num_prompt += len(ids)
+        prompt_logprobs = clamp_prompt_logprobs(res.prompt_logprobs)
         for out in res.outputs:
             num_gen += len(out.token_ids)
-            prefix = text if request.echo else ""
-            logprobs = (self._create_completion_logprobs(out.token_ids, out.logprobs, params.logprobs, len(prefix))
-                        if params.logprobs is not None else None)
-            choices.append(CompletionResponseChoice(index=i * request.n + out.index, text=prefix + out.text, logprobs=logprobs,
-                                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+            token_ids, out_text, top = _with_echo(request.echo, text, ids, res.prompt_logprobs, out.text, out.token_ids, out.logprobs)
+            logprobs = self._create_completion_logprobs(token_ids, top, params.logprobs) if params.logprobs is not None else None
+            choices.append(CompletionResponseChoice(index=i * request.n + out.index, text=out_text, logprobs=logprobs,
+                                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                                                    prompt_logprobs=prompt_logprobs))
     choices.sort(key=lambda c: c.index)
     return CompletionResponse(id=request_id, model=model_name, choices=choices,
                               usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen))
@@ -163,22 +173,25 @@ async def completion_stream_generator(self: OpenAIServingCompletion, request: Co
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     echoed: set[int] = set()
     offsets: dict[int, int] = {}
+    prompt_lps: dict[int, list] = {}   # per prompt: its logprobs arrive once (DELTA), every choice's echo needs them
     num_gen = 0
     try:
         async for i, res in merge_async_iterators(*gens):
             text_in, ids, params = inputs[i]
+            if res.prompt_logprobs: prompt_lps.setdefault(i, res.prompt_logprobs)
             for out in res.outputs:
                 index = i * n + out.index
-                prefix = text_in if request.echo and index not in echoed else ""
+                echo = request.echo and index not in echoed
                 echoed.add(index)
-                if not (prefix or out.text or out.token_ids or out.finish_reason): continue
+                token_ids, text, top = _with_echo(echo, text_in, ids, prompt_lps.get(i), out.text, out.token_ids, out.logprobs)
+                if not (text or token_ids or out.finish_reason): continue
                 num_gen += len(out.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = self._create_completion_logprobs(out.token_ids, out.logprobs, params.logprobs, offsets.get(index, 0) + len(prefix))
-                    offsets[index] = offsets.get(index, 0) + len(prefix) + len(out.text)
+                    logprobs = self._create_completion_logprobs(token_ids, top, params.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(text)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[
-                    CompletionResponseStreamChoice(index=index, text=prefix + out.text, logprobs=logprobs,
+                    CompletionResponseStreamChoice(index=index, text=text, logprobs=logprobs,
                                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)]))
         if include_usage:
             num_prompt = sum(len(ids) for _, ids, _ in inputs)

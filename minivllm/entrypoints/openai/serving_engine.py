@@ -39,6 +39,9 @@ class OpenAIServing:
     def __init__(self, engine_client: Any, models: OpenAIServingModels, max_model_len: int):
         self.engine_client, self.models, self.max_model_len = engine_client, models, max_model_len
         self.tokenizer = engine_client.get_tokenizer()
+        # the most logprobs a request may ask for: the engine's max_logprobs (-1: the whole vocabulary), else vLLM's 20
+        limit = getattr(getattr(engine_client, "model_config", None), "max_logprobs", 20)
+        self.max_logprobs = len(self.tokenizer) if limit == -1 else limit
 
     create_error_response = staticmethod(create_error_response)
 

@@ -44,7 +44,9 @@ def merge_request_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutp
         prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
     return replace(new, prompt=new.prompt if new.prompt is not None else old.prompt,
                    prompt_token_ids=new.prompt_token_ids or old.prompt_token_ids,
-                   prompt_logprobs=new.prompt_logprobs if new.prompt_logprobs is not None else old.prompt_logprobs,
+                   # DELTA outputs carry each prompt-logprobs piece once (later ones: []), so the pieces add up
+                   prompt_logprobs=None if old.prompt_logprobs is None and new.prompt_logprobs is None
+                   else [*(old.prompt_logprobs or []), *(new.prompt_logprobs or [])],
                    outputs=[by_index[i] for i in sorted(by_index)])
 
 # %% ../../../nbs/51_async_llm.ipynb #f23d4016
@@ -67,7 +69,7 @@ class RequestOutputCollector:
         else:
             self.total = delta if self.total is None else merge_request_outputs(self.total, delta)
             if self.output_kind == RequestOutputKind.CUMULATIVE or self.total.finished:
-                self.output = merge_request_outputs(self.total, replace(self.total, outputs=[]))  # a copy
+                self.output = merge_request_outputs(self.total, replace(self.total, outputs=[], prompt_logprobs=None))  # a copy
         if self.output is not None: self.ready.set()
 
     def get_nowait(self) -> RequestOutput | None:
