@@ -149,3 +149,33 @@ def test_chat_echo_continue_final_message(real):
     assert echoed == {"role": "assistant", "content": partial + plain}
     streamed = _sse_body(real, "/v1/chat/completions", {**body, "echo": True, "stream": True})
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == partial + plain
+
+
+def _ids_of(server, text: str) -> list[int]:
+    "Every token id whose text is `text` (a greedy pick may have twins in a random-weight tiny vocabulary)."
+    tok = server.llm.get_tokenizer()
+    return [i for i in range(len(tok)) if tok.decode([i]) == text]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "The capital of France is"}),
+    ("/v1/chat/completions", {"messages": CHAT})])
+def test_logit_bias_bans_and_forces_tokens(real, path, body):
+    def first_token(**extra):
+        status, r = real.post(path, {"model": "tiny", "max_tokens": 1, "temperature": 0, **body, **extra})
+        assert status == 200, r
+        c = r["choices"][0]
+        return c["text"] if "text" in c else c["message"]["content"]
+    greedy = first_token()
+    banned = _ids_of(real, greedy)
+    assert banned, greedy
+    assert first_token(logit_bias={str(i): -100 for i in banned}) != greedy
+    tok = real.llm.get_tokenizer()
+    forced = next(i for i in range(len(tok) - 1, 0, -1) if tok.decode([i]).strip() and i not in banned)
+    assert first_token(logit_bias={str(forced): 100}) == tok.decode([forced])
+
+
+@pytest.mark.parametrize("bias,words", [({"5": 101}, "[-100, 100]"), ({"abc": 1}, "int"), ({"99999999": 1}, "logit_bias")])
+def test_logit_bias_refused(real, bias, words):
+    status, err = real.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1, "logit_bias": bias})
+    assert status == 400 and err["error"]["param"] == "logit_bias" and words in err["error"]["message"], err

@@ -87,6 +87,7 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None   # OpenAI: {"token id": bias in [-100, 100]}
 
     def _check_prompt_logprobs(self, prompt_logprobs: int | None, max_logprobs: int) -> None:
         if self.prompt_logprobs is not None and self.prompt_logprobs != 0 and self.stream:
@@ -103,7 +104,8 @@ class _SamplingFields(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, spaces_between_special_tokens=self.spaces_between_special_tokens,
             output_kind=output_kind)
 
@@ -118,7 +120,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     def to_sampling_params(self, max_tokens: int | None, max_logprobs: int = 20) -> SamplingParams:
         """Raises `ValueError` naming the field for out-of-range values. `echo` with `logprobs` also asks for
@@ -143,7 +144,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = 0
     max_tokens: int | None = None   # deprecated by OpenAI in favour of max_completion_tokens; still accepted
     max_completion_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
     # vLLM's chat extras
     echo: bool = False
     add_generation_prompt: bool = True
