@@ -179,3 +179,27 @@ def test_logit_bias_bans_and_forces_tokens(real, path, body):
 def test_logit_bias_refused(real, bias, words):
     status, err = real.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1, "logit_bias": bias})
     assert status == 400 and err["error"]["param"] == "logit_bias" and words in err["error"]["message"], err
+
+
+def test_metrics_series_match_vllm(real):
+    from prometheus_client.parser import text_string_to_metric_families
+    def scrape():
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(real.get("/metrics")) for s in fam.samples}
+    real.wait_idle()
+    before = scrape()
+    r = real.client.completions.create(model="tiny", prompt="Counting metric series", max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    real.wait_idle()
+    after = scrape()
+    m = (("model_name", "tiny"),)
+    def delta(name): return after.get((name, m), 0.0) - before.get((name, m), 0.0)
+    names = {n for n, _ in after}
+    assert not [n for n in names if n.endswith("_created")]                       # vLLM disables them
+    assert "vllm:prefix_cache_hit_rate" not in names and "vllm:time_per_output_token_seconds_count" not in names
+    assert delta("vllm:request_prompt_tokens_sum") == r.usage.prompt_tokens and delta("vllm:request_prompt_tokens_count") == 1
+    assert delta("vllm:request_generation_tokens_sum") == 4 and delta("vllm:request_generation_tokens_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") >= 1                  # token batches after the first
+    assert delta("vllm:request_decode_time_seconds_count") == 1
+    assert delta("vllm:prefix_cache_queries_total") == r.usage.prompt_tokens
+    assert after[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))] >= 1

@@ -245,7 +245,7 @@ def test_metrics_move_by_known_amounts(server):
     assert delta(("vllm:e2e_request_latency_seconds_count", m)) == 1
     assert delta(("vllm:time_to_first_token_seconds_count", m)) == 1
     assert delta(("vllm:request_time_per_output_token_seconds_count", m)) == 1
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hit_rate"):
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert (name, m) in after, name
 
 
@@ -320,4 +320,4 @@ def test_metrics_prefix_cache_hits(server):
     assert after[("vllm:prefix_cache_queries_total", m)] - before[("vllm:prefix_cache_queries_total", m)] == n
     hits = after[("vllm:prefix_cache_hits_total", m)] - before[("vllm:prefix_cache_hits_total", m)]
     assert hits == (n - 1) // 16 * 16      # every full block but the one holding the last prompt token
-    assert 0 < after[("vllm:prefix_cache_hit_rate", m)] <= 1
+    assert ("vllm:prefix_cache_hit_rate", m) not in after    # not a vLLM v1 series: hits / queries is the dashboard's

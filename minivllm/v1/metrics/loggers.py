@@ -7,14 +7,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # %% auto #0
-__all__ = ['TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'PrometheusStatLogger', 'record', 'generate']
+__all__ = ['TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'build_1_2_5_buckets', 'PrometheusStatLogger', 'record', 'generate']
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #01c94764
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    "1, 2, 5, 10, 20, 50, ... up to `max_value` (token-count buckets). Source: vLLM v1/metrics/loggers.py `build_1_2_5_buckets`."
+    buckets, base = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * base > max_value: return buckets
+            buckets.append(m * base)
+        base *= 10
+
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #445d2d0e
@@ -22,9 +32,12 @@ class PrometheusStatLogger:
     """Exports engine stats as `vllm:*` Prometheus metrics labelled with `model_name`.
 
     `registry`: where the metrics live (a fresh `CollectorRegistry` by default, so two servers in one
-    process do not collide). Source: vLLM v1/metrics/loggers.py `PrometheusStatLogger`."""
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    process do not collide). `max_model_len` bounds the token-count buckets (vLLM's default context
+    when not given). Source: vLLM v1/metrics/loggers.py `PrometheusStatLogger`."""
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int | None = None):
+        prometheus_client.disable_created_metrics()   # process-wide, as vLLM does
         self.model_name = model_name
+        token_buckets = build_1_2_5_buckets(max_model_len or 131072)
         self.registry = registry if registry is not None else CollectorRegistry()
         r, L = self.registry, ["model_name"]
         def gauge(name, doc): return Gauge(name, doc, L, registry=r).labels(model_name)
@@ -35,17 +48,19 @@ class PrometheusStatLogger:
         self.gauge_kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.counter_prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.counter_prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.gauge_prefix_cache_hit_rate = gauge("vllm:prefix_cache_hit_rate", "Prefix cache hits / queries since start (0 to 1).")
         self.counter_num_preempted_reqs = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
         self.counter_prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                         ["model_name", "finished_reason"], registry=r)
         self.histogram_time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.histogram_time_per_output_token = histogram("vllm:time_per_output_token_seconds", "Histogram of time between output token batches of a request, in seconds.", TPOT_BUCKETS)
+        self.histogram_inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TPOT_BUCKETS)
         self.histogram_request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds", "Histogram of a request's mean time per output token in seconds.", TPOT_BUCKETS)
         self.histogram_e2e_time_request = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", E2E_BUCKETS)
-        self._queries = self._hits = self._last_preemptions = 0
+        self.histogram_decode_time_request = histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS)
+        self.histogram_num_prompt_tokens_request = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.histogram_num_generation_tokens_request = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
+        self._last_preemptions = 0
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #7cb34de6
 def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_stats: Any | None) -> None:
@@ -61,18 +76,19 @@ def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_st
     if pcs is not None: queries, hits = pcs.queries, pcs.hits
     elif iteration_stats is not None: queries, hits = iteration_stats.num_prompt_tokens, iteration_stats.num_cached_tokens
     else: queries = hits = 0
-    if queries:
-        self.counter_prefix_cache_queries.inc(queries); self.counter_prefix_cache_hits.inc(hits)
-        self._queries += queries; self._hits += hits
-        self.gauge_prefix_cache_hit_rate.set(self._hits / self._queries)
+    if queries: self.counter_prefix_cache_queries.inc(queries); self.counter_prefix_cache_hits.inc(hits)
     if iteration_stats is None: return
     if iteration_stats.num_prompt_tokens: self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
     if iteration_stats.num_generation_tokens: self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
     for t in iteration_stats.time_to_first_tokens_iter: self.histogram_time_to_first_token.observe(t)
-    for t in iteration_stats.time_per_output_tokens_iter: self.histogram_time_per_output_token.observe(t)
+    for t in iteration_stats.time_per_output_tokens_iter: self.histogram_inter_token_latency.observe(t)
     for fin in iteration_stats.finished_requests:
         self._request_success.labels(self.model_name, fin.finish_reason).inc()
         self.histogram_e2e_time_request.observe(fin.e2e_latency)
+        self.histogram_num_prompt_tokens_request.observe(fin.num_prompt_tokens)
+        self.histogram_num_generation_tokens_request.observe(fin.num_generation_tokens)
+        # first to last token: the mean gap times the number of gaps
+        self.histogram_decode_time_request.observe(fin.mean_time_per_output_token * max(fin.num_generation_tokens - 1, 0))
         if fin.num_generation_tokens > 1: self.histogram_request_time_per_output_token.observe(fin.mean_time_per_output_token)
 
 def generate(self: PrometheusStatLogger) -> bytes:
