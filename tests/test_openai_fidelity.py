@@ -203,3 +203,31 @@ def test_metrics_series_match_vllm(real):
     assert delta("vllm:request_decode_time_seconds_count") == 1
     assert delta("vllm:prefix_cache_queries_total") == r.usage.prompt_tokens
     assert after[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))] >= 1
+
+
+def test_metrics_request_phase_histograms(real):
+    "vLLM's per-request queue / prefill / inference (and decode) histograms: one observation per finished request."
+    from prometheus_client.parser import text_string_to_metric_families
+    def scrape():
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(real.get("/metrics")) for s in fam.samples}
+    real.wait_idle()
+    before = scrape()
+    n = 3
+    for i in range(n):
+        real.client.completions.create(model="tiny", prompt=f"Phase times {i}", max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    real.wait_idle()
+    after = scrape()
+    m = (("model_name", "tiny"),)
+    def delta(name): return after.get((name, m), 0.0) - before.get((name, m), 0.0)
+    for phase in ("queue", "prefill", "inference", "decode"):
+        assert (f"vllm:request_{phase}_time_seconds_count", m) in after, phase
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == n, phase
+        assert (f"vllm:request_{phase}_time_seconds_bucket", (("le", "7680.0"),) + m) in after, phase  # vLLM's buckets
+    assert delta("vllm:e2e_request_latency_seconds_count") == n
+    assert 0.0 <= delta("vllm:request_queue_time_seconds_sum") <= delta("vllm:e2e_request_latency_seconds_sum")
+    # > 0 only from the engine core's QUEUED / SCHEDULED stamps (without events the queue time is taken as 0)
+    assert delta("vllm:request_queue_time_seconds_sum") > 0.0 and delta("vllm:request_prefill_time_seconds_sum") > 0.0
+    assert abs(delta("vllm:request_prefill_time_seconds_sum") + delta("vllm:request_decode_time_seconds_sum")
+               - delta("vllm:request_inference_time_seconds_sum")) < 1e-6
