@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['SECTIONS', 'NUMBER_FIRST', 'MODULE_RULES', 'NUMBER_FALLBACK', 'DIAGRAM_FENCE', 'MAIN_SEED', 'KEY_NAMES',
-           'MERMAID_INIT_JS', 'SITE_CSS', 'CONF_PY', 'ARCHITECTURE_MERMAID', 'section_for', 'Chapter',
+__all__ = ['SECTIONS', 'NUMBER_FIRST', 'MODULE_RULES', 'NUMBER_FALLBACK', 'SUB_PACKAGES', 'DIAGRAM_FENCE', 'MAIN_SEED',
+           'KEY_NAMES', 'MERMAID_INIT_JS', 'SITE_CSS', 'CONF_PY', 'ARCHITECTURE_MERMAID', 'section_for', 'Chapter',
            'cell_directives', 'read_chapter', 'find_repo', 'discover_chapters', 'mermaid_to_html', 'clean_notebook',
            'SeedChapter', 'find_seeds', 'parse_seed_index', 'seed_refs', 'seed_link_html', 'seed_text_page', 'ApiEntry',
            'module_api', 'api_markdown', 'index_markdown', 'seed_notes_markdown', 'stage_site', 'build_site', 'main']
@@ -104,10 +104,15 @@ def cell_directives(source: str) -> tuple[dict[str, str], str]:
         i += 1
     return dirs, "\n".join(lines[i:]).strip("\n")
 
-def read_chapter(path: Path) -> Chapter:
-    "Read a notebook's number, title (its first `# ` heading), `default_exp` module and section."
-    nb = json.loads(Path(path).read_text(encoding="utf-8"))
-    m = _NUM.match(path.stem)
+def read_chapter(path: Path, package: str | None = None) -> Chapter:
+    """Read a notebook's number, title (its first `# ` heading), `default_exp` module and section.
+
+    `package`: set for a notebook of a second nbdev package (`kernels`, exported from `nbs/kernels/`). Its page
+    is `<package>_<stem>`, its module `<package>.<default_exp>`, and it has no chapter number (its own numbering
+    restarts at 00), so it sorts after the numbered chapters of its section."""
+    path = Path(path)
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    m = None if package else _NUM.match(path.stem)
     number, suffix = (int(m.group(1)), m.group(2)) if m else (None, "")
     title, module, md = None, None, []
     for cell in nb.get("cells", []):
@@ -118,8 +123,9 @@ def read_chapter(path: Path) -> Chapter:
         elif cell.get("cell_type") == "code" and module is None:
             module = cell_directives(src)[0].get("default_exp")
     title = title or path.stem
-    return Chapter(Path(path), path.stem, number, suffix, title, module, section_for(number, module),
-                   "\n\n".join(md))
+    if package: module = f"{package}.{module}" if module else package
+    stem = f"{package}_{path.stem}" if package else path.stem
+    return Chapter(path, stem, number, suffix, title, module, section_for(number, module), "\n\n".join(md))
 
 def find_repo(start: Path | None = None) -> Path:
     "The repo root: the nearest folder holding settings.ini, from `start` (default: cwd) upwards."
@@ -128,13 +134,18 @@ def find_repo(start: Path | None = None) -> Path:
         if (d / "settings.ini").exists(): return d
     raise FileNotFoundError(f"no settings.ini in {p} or above")
 
+SUB_PACKAGES = ["kernels"]  # folders of nbs/ that are nbdev packages of their own (nbs/kernels -> kernels/)
+
 def discover_chapters(nbs_path: Path) -> list[Chapter]:
-    """All chapter notebooks under `nbs_path` (not `index.ipynb`, not `_`-prefixed), in reading order.
-    A notebook that is not valid JSON (say, half-written by an editor) is left out with a note on stderr."""
+    """All chapter notebooks under `nbs_path` and its `SUB_PACKAGES` folders (not `index.ipynb`, not
+    `_`-prefixed), in reading order. A notebook that is not valid JSON (say, half-written by an editor) is left
+    out with a note on stderr."""
     chapters = []
-    for p in Path(nbs_path).glob("*.ipynb"):
+    found = [(p, None) for p in Path(nbs_path).glob("*.ipynb")]
+    found += [(p, pkg) for pkg in SUB_PACKAGES for p in (Path(nbs_path) / pkg).glob("*.ipynb")]
+    for p, pkg in found:
         if p.stem == "index" or p.name.startswith(("_", ".")): continue
-        try: chapters.append(read_chapter(p))
+        try: chapters.append(read_chapter(p, pkg))
         except (json.JSONDecodeError, UnicodeDecodeError) as e: print(f"docs: skipping {p.name}: {e}", file=sys.stderr)
     return sorted(chapters, key=lambda c: c.sort_key)
 
@@ -333,17 +344,22 @@ def module_api(source: str) -> list[ApiEntry] | None:
     if names is None: return None
     return [_entry(defs[n], n) if n in defs else ApiEntry(n, "value", n, "(re-exported)") for n in names]
 
-def api_markdown(lib_path: Path, chapters: list[Chapter], lib_name: str = "minivllm") -> str:
-    "The MyST source of the API page for the package at `lib_path`, modules in chapter order."
+def api_markdown(lib_path: Path, chapters: list[Chapter], lib_name: str = "minivllm",
+                 sub_packages: dict[str, Path] | None = None) -> str:
+    """The MyST source of the API page for the package at `lib_path` (and each `sub_packages` name -> folder,
+    e.g. `{"kernels": repo/"kernels"}`), modules in chapter order."""
     by_module = {c.module: c for c in chapters if c.module}
     mods = []
-    for p in sorted(Path(lib_path).rglob("*.py")):
-        if p.name == "_modidx.py" or "__pycache__" in p.parts: continue
-        rel = p.relative_to(lib_path).with_suffix("")
-        mod = ".".join(rel.parts)  # nbdev's default_exp for foo/__init__.py is 'foo.__init__'
-        try: entries = module_api(p.read_text(encoding="utf-8"))
-        except SyntaxError: entries = None
-        if entries: mods.append((mod, entries))
+    # a module's key is its chapter's `module`: relative to lib_name for the main package, prefixed for the others
+    roots = [(Path(lib_path), "")] + [(Path(d), f"{name}.") for name, d in (sub_packages or {}).items()]
+    for root, prefix in roots:
+        for p in sorted(root.rglob("*.py")):
+            if p.name == "_modidx.py" or "__pycache__" in p.parts: continue
+            rel = p.relative_to(root).with_suffix("")
+            mod = prefix + ".".join(rel.parts)  # nbdev's default_exp for foo/__init__.py is 'foo.__init__'
+            try: entries = module_api(p.read_text(encoding="utf-8"))
+            except SyntaxError: entries = None
+            if entries: mods.append((mod, entries))
     order = {c.module: i for i, c in enumerate(chapters) if c.module}
     mods.sort(key=lambda m: (order.get(m[0], len(order)), m[0]))
     def label(mod, name): return f"api-{mod}-{name}".replace(".", "-").replace("_", "-").lower()
@@ -356,9 +372,10 @@ def api_markdown(lib_path: Path, chapters: list[Chapter], lib_name: str = "miniv
     if key:
         lines += ["**Start here:** " + " · ".join(f"{{ref}}`{n} <{label(m, n)}>`" for n, m in key), ""]
     for mod, entries in mods:
-        dotted = f"{lib_name}.{mod.removesuffix('.__init__')}"
+        top = mod.split(".")[0]
+        dotted = mod.removesuffix('.__init__') if top in (sub_packages or {}) else f"{lib_name}.{mod.removesuffix('.__init__')}"
         lines += [f"## `{dotted}`", ""]
-        if (ch := by_module.get(mod)): lines += [f"Chapter: [{ch.title}]({ch.path.name})", ""]
+        if (ch := by_module.get(mod)): lines += [f"Chapter: [{ch.title}]({ch.stem}.ipynb)", ""]
         for e in entries:
             lines += [f"({label(mod, e.name)})=", f"### `{e.name}`", "", "```python", e.signature, "```", ""]
             if e.doc: lines += [e.doc, ""]
@@ -457,7 +474,7 @@ def seed_notes_markdown(seed_chapters: list[SeedChapter], cited: dict[SeedChapte
     for sc in seed_chapters:
         t = sc.title.replace("|", "\\|")
         name = (f'<a href="seeds/{Path(sc.file).stem}.html#L{sc.line}">{html.escape(t)}</a>' if seeds_dir else t)
-        users = ", ".join(f"[{c.stem}]({c.path.name})" for c in cited.get(sc, []))
+        users = ", ".join(f"[{c.stem}]({c.stem}.ipynb)" for c in cited.get(sc, []))
         lines.append(f"| {name} | {sc.file}:{sc.line} | {users} |")
     return "\n".join(lines) + "\n"
 
@@ -476,11 +493,12 @@ def stage_site(repo: Path, src: Path, seeds_dir: Path | None) -> list[Chapter]:
         refs = seed_refs(ch.text, ch.title, seed_chapters)
         for sc, _ in refs: cited.setdefault(sc, []).append(ch)
         nb = json.loads(ch.path.read_text(encoding="utf-8"))
-        (src / ch.path.name).write_text(json.dumps(clean_notebook(nb, ch.title, seed_link_html(refs, seeds_dir is not None)),
+        (src / f"{ch.stem}.ipynb").write_text(json.dumps(clean_notebook(nb, ch.title, seed_link_html(refs, seeds_dir is not None)),
                                                    ensure_ascii=False), encoding="utf-8")
     readme = (repo / "README.md").read_text(encoding="utf-8") if (repo / "README.md").exists() else "# minivllm\n"
     (src / "index.md").write_text(index_markdown(readme, chapters, seeds_dir is not None), encoding="utf-8")
-    (src / "api.md").write_text(api_markdown(repo / "minivllm", chapters), encoding="utf-8")
+    subs = {name: repo / name for name in SUB_PACKAGES if (repo / name).is_dir()}
+    (src / "api.md").write_text(api_markdown(repo / "minivllm", chapters, sub_packages=subs), encoding="utf-8")
     (src / "seed_notes.md").write_text(seed_notes_markdown(seed_chapters, cited, seeds_dir), encoding="utf-8")
     if seeds_dir:
         (src / "_extra" / "seeds").mkdir()
