@@ -89,3 +89,46 @@ def test_async_client_streams_and_detects_death(ckpt):
             client.shutdown()
 
     asyncio.run(main())
+
+
+_LONG_SCRIPT = """
+import sys
+from minivllm.entrypoints.llm import LLM
+from minivllm.sampling_params import SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=256)
+    print("PID", llm.llm_engine.engine_core.proc.pid, flush=True)
+    while True: llm.generate(["hello"] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as f: return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError: return False
+
+
+def test_sigterm_of_an_llm_script_cleans_up(ckpt, tmp_path):
+    """`kill <pid>` (SIGTERM: docker stop, systemd, timeout) of a script using `LLM` leaves no IPC socket files in
+    $TMPDIR and no engine process, like Ctrl-C (the default SIGTERM action would skip every cleanup)."""
+    import subprocess, sys
+    tmpdir = tmp_path / "tmp"; tmpdir.mkdir()
+    script = tmp_path / "long.py"; script.write_text(_LONG_SCRIPT)
+    env = {**os.environ, "TMPDIR": str(tmpdir), "MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), ckpt], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PID"), line
+        engine_pid = int(line.split()[1])
+        assert any(p.name.startswith("minivllm-") for p in tmpdir.iterdir())
+        time.sleep(0.5)  # mid-generation
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM   # still dies of SIGTERM, after the cleanup
+    finally:
+        if proc.poll() is None: proc.kill()
+    deadline = time.monotonic() + 15
+    while _pid_alive(engine_pid) and time.monotonic() < deadline: time.sleep(0.1)
+    assert not _pid_alive(engine_pid)
+    assert [p.name for p in tmpdir.iterdir() if p.name.startswith("minivllm-")] == []

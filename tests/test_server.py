@@ -321,3 +321,100 @@ def test_metrics_prefix_cache_hits(server):
     hits = after[("vllm:prefix_cache_hits_total", m)] - before[("vllm:prefix_cache_hits_total", m)]
     assert hits == (n - 1) // 16 * 16      # every full block but the one holding the last prompt token
     assert ("vllm:prefix_cache_hit_rate", m) not in after    # not a vLLM v1 series: hits / queries is the dashboard's
+
+
+def _serve_in_subprocess(tmp_path, env_extra: dict | None = None):
+    """Start `minivllm serve` on a tiny checkpoint with its own $TMPDIR; returns (process, port, tmpdir, engine pid)
+    once /health answers."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    from minivllm.testing import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    tmpdir = tmp_path / "tmp"; tmpdir.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               TMPDIR=str(tmpdir), MINIVLLM_ENABLE_V1_MULTIPROCESSING="1", **(env_extra or {}))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
+                             "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128",
+                             "--uvicorn-log-level", "warning"], cwd=repo, env=env)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "server exited"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2); break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.3)
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try: fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError: continue
+        if int(fields[1]) == proc.pid: children.append(int(stat.parent.name))
+    # the engine is the spawned child (`spawn_main`), not multiprocessing's resource tracker
+    engine = [pid for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert engine, "no engine process found"
+    return proc, port, tmpdir, engine[0]
+
+
+def _gone(pid: int) -> bool:
+    import os
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return True
+    try:
+        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError: return True
+
+
+def test_serve_sigterm_shuts_down_like_ctrl_c(tmp_path):
+    "SIGTERM (docker stop, systemd, k8s) stops the engine and removes its IPC socket files, as Ctrl-C does."
+    import signal
+    proc, port, tmpdir, engine_pid = _serve_in_subprocess(tmp_path)
+    try:
+        assert any(p.name.startswith("minivllm-") for p in tmpdir.iterdir())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None: proc.kill()
+    deadline = time.monotonic() + 10
+    while not _gone(engine_pid) and time.monotonic() < deadline: time.sleep(0.1)
+    assert _gone(engine_pid)
+    assert [p.name for p in tmpdir.iterdir()] == []
+
+
+def test_serve_exits_when_the_engine_dies(tmp_path):
+    "A server whose engine died exits with a non-zero status (so a supervisor restarts it) instead of answering 500 forever."
+    import signal
+    import os
+    proc, port, tmpdir, engine_pid = _serve_in_subprocess(tmp_path)
+    try:
+        os.kill(engine_pid, signal.SIGKILL)
+        rc = proc.wait(30)
+        assert rc not in (0, None)
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert [p.name for p in tmpdir.iterdir() if p.name.startswith("minivllm-")] == []
+
+
+def test_serve_keep_alive_on_engine_death(tmp_path):
+    "MINIVLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps the server up after the engine died; /health then says 503."
+    import signal
+    import os
+    proc, port, tmpdir, engine_pid = _serve_in_subprocess(tmp_path, {"MINIVLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"})
+    try:
+        os.kill(engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try: urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5); time.sleep(0.2)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503; break
+        else: raise AssertionError("/health never reported the dead engine")
+        time.sleep(2)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
