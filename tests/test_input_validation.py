@@ -182,3 +182,35 @@ def test_generate_says_what_a_prompt_may_be(llm, prompts):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(prompts, GOOD, use_tqdm=False)
     assert len(llm.generate("hello", GOOD, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "hi", "--device", "tpu"], ["--device", "invalid choice"]),
+    (["generate", "hi", "--kv-cache-memory-bytes", "-1"], ["kv_cache_memory_bytes must be > 0"]),
+    (["generate", "hi", "--dtype", "int8"], ["--dtype", "invalid choice"]),
+    (["serve", "--dtype", "int8"], ["--dtype", "invalid choice"]),
+])
+def test_cli_bad_flags_give_one_error_line(argv, words, capsys):
+    "Each bad flag: exit status 2 and one `error:` line naming it, no traceback."
+    from minivllm.entrypoints.cli.main import main
+    try: rc = main(argv)
+    except SystemExit as e: rc = e.code   # argparse choice errors exit from the parser
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    for w in words: assert w in err, err
+
+
+def test_cli_dtype_choices_are_one_list():
+    from minivllm.config import DTYPE_CHOICES
+    from minivllm.entrypoints.cli.main import make_parser
+    parser, _ = make_parser()
+    for cmd in ("generate", "chat", "serve"):
+        sub = parser._subparsers._group_actions[0].choices[cmd]
+        assert tuple(next(a for a in sub._actions if a.dest == "dtype").choices) == DTYPE_CHOICES
+    assert set(DTYPE_CHOICES) == {"auto", "half", "float16", "bfloat16", "float", "float32"}
+
+
+def test_too_small_kv_cache_says_what_to_raise(ckpt):
+    with pytest.raises(ValueError) as e:
+        LLM(ckpt, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1000, device="cpu")
+    assert "--kv-cache-memory-bytes (at least" in str(e.value) and "gpu_memory_utilization" not in str(e.value)
