@@ -84,7 +84,7 @@ def build_app(engine_client: Any, served_model_names: list[str], max_model_len: 
     s.openai_serving_completion = OpenAIServingCompletion(engine_client, models, max_model_len)
     s.openai_serving_chat = OpenAIServingChat(engine_client, models, max_model_len, chat_template)
     s.openai_serving_tokenization = OpenAIServingTokenization(engine_client, models, max_model_len, chat_template)
-    s.stat_logger = PrometheusStatLogger(models.model_name)
+    s.stat_logger = PrometheusStatLogger(models.model_name, max_model_len=max_model_len)  # token-count buckets up to it
     engine_client.stat_loggers.append(s.stat_logger)
 
     @app.exception_handler(RequestValidationError)

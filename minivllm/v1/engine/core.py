@@ -211,14 +211,20 @@ class EngineCoreProc(EngineCore):
             logger.debug("EngineCore exiting")
         except BaseException as e:
             if engine_core is None:
-                logger.exception("EngineCore failed to start.")
+                # A ValueError here is a setting that cannot work (too little KV cache, say): its message says what
+                # to change, and the client re-raises it, so no traceback. Anything else is a bug: log it in full.
+                if isinstance(e, ValueError) and startup_error_conn is not None:
+                    logger.debug("EngineCore failed to start: %s", e)
+                else:
+                    logger.exception("EngineCore failed to start.")
                 if startup_error_conn is not None:
                     try: startup_error_conn.send((type(e).__name__, str(e)))
                     except Exception: pass
             else:
                 logger.exception("EngineCore encountered a fatal error.")
                 engine_core._send_engine_dead()
-            raise
+            # exit status 1 without a second traceback (multiprocessing prints one for an exception that escapes)
+            raise SystemExit(1) from None
         finally:
             if engine_core is not None: engine_core.shutdown()
 
