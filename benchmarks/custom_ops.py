@@ -1,7 +1,7 @@
 """A decode step's elementwise layers on the CPU: the torch code (`forward_native`) vs the fused C kernels (`forward_cpu`).
 
 Times each `CustomOp` layer through its normal `forward` (dispatch and launcher checks included), built once
-with `custom_ops=["none"]` (the default) and once with `["all"]` (kernels on), at SmolLM2-135M's sizes for a 64-request
+with `custom_ops=["none"]` (torch) and once with `["all"]` (kernels on, the default), at SmolLM2-135M's sizes for a 64-request
 decode step: hidden 576, intermediate 1536, 9 query / 3 KV heads of 64. Prints microseconds per call, the
 ratio, and the total per step (30 layers: 2 residual norms, 1 SiLU-and-mul, 1 RoPE each, plus the final norm).
 

@@ -45,7 +45,7 @@ class CompilationConfig:
     default "NONE"); cudagraph_capture_sizes: batch sizes in tokens (None = vLLM's default list up to
     `max_cudagraph_capture_size`). Call `post_init_cudagraph_sizes(max_num_seqs, max_num_batched_tokens)` once the
     scheduler limits are known. custom_ops: which `CustomOp` layers use their platform kernels (chapter 29f):
-    "all" or "none" (the default for every op; empty = "none", minivllm's default: chapter 29f says why)
+    "all" or "none" (the default for every op; empty = "all", vLLM's default without Inductor: chapter 29f)
     plus "+name" / "-name" per registered op, e.g. `["none", "+rms_norm"]`; `enabled_custom_ops` /
     `disabled_custom_ops` count what the built layers chose. Raises `ValueError` naming the field for an
     unknown mode, a size < 1, or a malformed custom_ops list. Source: vLLM config/compilation.py `CompilationConfig`."""
