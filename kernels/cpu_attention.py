@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .cpu_build import CFLAGS, build_cpu_library
+from .cpu_build import CFLAGS, C_PRELUDE, build_cpu_library
 
 logger = logging.getLogger(__name__)
 
@@ -20,24 +20,7 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'CPU_ATTENTION_SRC', 'load_cpu_attention_lib', 'cpu_attention_available', 'unified_attention_cpu']
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #c9af3bae
-CPU_ATTENTION_SRC = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef uint16_t bf16_t;
-static inline float bf16_load(bf16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline bf16_t bf16_store(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
-    return (bf16_t)(u >> 16);
-}
-static inline float f16_load(_Float16 x) { return (float)x; }
-static inline _Float16 f16_store(float f) { return (_Float16)f; }
-static inline float f32_id(float x) { return x; }
-
+CPU_ATTENTION_SRC = C_PRELUDE + r"""
 /* exp(x) for x <= 0; vectorisable. Below -87 the weight (< 1e-38) is 0. */
 static inline float exp_nonpos(float x) {
     const float xc = x < -87.0f ? -87.0f : x;
@@ -124,8 +107,6 @@ int NAME(const T* q, const T* kc, const T* vc, T* out, const int32_t* qsl, const
     return err;                                                                                              \
 }
 
-static inline float bf16_round(float x) { return bf16_load(bf16_store(x)); }
-static inline float f16_round(float x) { return (float)(_Float16)x; }
 
 DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, f32_id)
 DEFINE_KERNEL(paged_attention_bf16, bf16_t, bf16_load, bf16_store, bf16_round)

@@ -18,7 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'CFLAGS', 'kernel_cache_dir', 'find_c_compiler', 'build_cpu_library']
+__all__ = ['logger', 'CFLAGS', 'C_PRELUDE', 'kernel_cache_dir', 'find_c_compiler', 'build_cpu_library']
 
 # %% ../nbs/kernels/01a_cpu_build.ipynb #ce76a3eb
 CFLAGS: list[str] = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
@@ -67,3 +67,25 @@ def build_cpu_library(name: str, source: str, cflags: Sequence[str] = CFLAGS) ->
             os.replace(obj, path)
         logger.info("built the %s kernels: %s", name, path)
     return ctypes.CDLL(str(path))
+
+# %% ../nbs/kernels/01a_cpu_build.ipynb #b3d3f6f1
+C_PRELUDE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+static inline float bf16_load(bf16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline bf16_t bf16_store(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
+    return (bf16_t)(u >> 16);
+}
+static inline float bf16_round(float x) { return bf16_load(bf16_store(x)); }
+static inline float f16_load(_Float16 x) { return (float)x; }
+static inline _Float16 f16_store(float f) { return (_Float16)f; }
+static inline float f16_round(float x) { return (float)(_Float16)x; }
+static inline float f32_id(float x) { return x; }
+"""

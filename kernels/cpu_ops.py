@@ -11,32 +11,14 @@ import os
 
 import torch
 
-from .cpu_build import CFLAGS, build_cpu_library
+from .cpu_build import CFLAGS, C_PRELUDE, build_cpu_library
 
 # %% auto #0
 __all__ = ['CPU_OPS_SRC', 'CPU_OPS_CFLAGS', 'load_cpu_ops_lib', 'cpu_ops_available', 'can_use_cpu_ops', 'rms_norm',
            'fused_add_rms_norm', 'silu_and_mul', 'rotary_embedding']
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #68c244b4
-CPU_OPS_SRC = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef uint16_t bf16_t;
-static inline float bf16_load(bf16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline bf16_t bf16_store(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
-    return (bf16_t)(u >> 16);
-}
-static inline float bf16_round(float x) { return bf16_load(bf16_store(x)); }
-static inline float f16_load(_Float16 x) { return (float)x; }
-static inline _Float16 f16_store(float f) { return (_Float16)f; }
-static inline float f16_round(float x) { return (float)(_Float16)x; }
-static inline float f32_id(float x) { return x; }
-
+CPU_OPS_SRC = C_PRELUDE + r"""
 /* exp(x) for any float x, vectorisable (Cody-Waite reduction, Cephes polynomial, ~1 ulp): inf above 88.72,
    0 below -87.33 (no denormals). */
 static inline float exp_any(float x) {
