@@ -266,26 +266,27 @@ def test_bad_requests_do_not_disturb_a_running_stream(server):
     assert got["text"] == expected
 
 
-def test_minivllm_serve_cli(tmp_path):
-    "`minivllm serve CKPT --port P ...` in its own process answers the openai client, then stops on SIGTERM."
+def _launch_serve(tmp_path, args: list[str], env_extra: dict | None = None):
+    """Start `minivllm serve` on a tiny llama checkpoint in a subprocess (one OMP thread, `args` after the port);
+    return (process, port) once /health answers. Raises AssertionError (after killing it) if the server exits
+    or is not up within 120 s."""
     import os
     import socket
     import subprocess
     import sys
     from pathlib import Path
-    pytest.importorskip("minivllm.v1.engine.llm_engine")
     from minivllm.testing import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               **(env_extra or {}))
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
-                             "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "alias",
-                             "--api-key", API_KEY, "--max-model-len", "256", "--max-num-seqs", "8", "--block-size", "16",
-                             "--no-enable-prefix-caching", "--seed", "3", "--uvicorn-log-level", "warning"], cwd=repo, env=env)
+                             "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), *args, "--uvicorn-log-level", "warning"],
+                            cwd=repo, env=env)
+    deadline = time.monotonic() + 120
     try:
-        deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, "server exited"
             try:
@@ -293,6 +294,18 @@ def test_minivllm_serve_cli(tmp_path):
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline, "server did not start"
                 time.sleep(0.3)
+    except BaseException:
+        proc.kill(); proc.wait(30)
+        raise
+    return proc, port
+
+
+def test_minivllm_serve_cli(tmp_path):
+    "`minivllm serve CKPT --port P ...` in its own process answers the openai client, then stops on SIGTERM."
+    pytest.importorskip("minivllm.v1.engine.llm_engine")
+    proc, port = _launch_serve(tmp_path, ["--served-model-name", "tiny", "alias", "--api-key", API_KEY, "--max-model-len", "256",
+                                          "--max-num-seqs", "8", "--block-size", "16", "--no-enable-prefix-caching", "--seed", "3"])
+    try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
         r = client.chat.completions.create(model="alias", messages=CHAT, max_completion_tokens=4, extra_body={"ignore_eos": True})
@@ -326,30 +339,10 @@ def test_metrics_prefix_cache_hits(server):
 def _serve_in_subprocess(tmp_path, env_extra: dict | None = None):
     """Start `minivllm serve` on a tiny checkpoint with its own $TMPDIR; returns (process, port, tmpdir, engine pid)
     once /health answers."""
-    import os
-    import socket
-    import subprocess
-    import sys
     from pathlib import Path
-    from minivllm.testing import make_tiny_checkpoint
-    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
     tmpdir = tmp_path / "tmp"; tmpdir.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               TMPDIR=str(tmpdir), MINIVLLM_ENABLE_V1_MULTIPROCESSING="1", **(env_extra or {}))
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
-                             "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128",
-                             "--uvicorn-log-level", "warning"], cwd=repo, env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "server exited"
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2); break
-        except (urllib.error.URLError, ConnectionError):
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.3)
+    proc, port = _launch_serve(tmp_path, ["--max-model-len", "128"],
+                               {"TMPDIR": str(tmpdir), "MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env_extra or {})})
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try: fields = stat.read_text().rsplit(")", 1)[1].split()
