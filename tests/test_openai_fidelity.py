@@ -127,6 +127,11 @@ def test_prompt_logprobs_extra_field(real):
     assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
     # without it, nothing is computed or returned
     assert real.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})[1]["choices"][0]["prompt_logprobs"] is None
+    # n = 2: one copy of the prompt's logprobs (each sample's request scores the prompt), not two
+    status, r2 = real.post("/v1/completions", {"model": "tiny", "prompt": "one two three", "max_tokens": 1, "n": 2,
+                                               "temperature": 0, "prompt_logprobs": 2})
+    assert status == 200, r2
+    assert [len(ch["prompt_logprobs"]) for ch in r2["choices"]] == [r2["usage"]["prompt_tokens"]] * 2
 
 
 @pytest.mark.parametrize("path,body,words", [

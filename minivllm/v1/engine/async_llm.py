@@ -63,6 +63,10 @@ class RequestOutputCollector:
         self.ready = asyncio.Event()
 
     def put(self, delta: RequestOutput | BaseException) -> None:
+        if not isinstance(delta, BaseException) and delta.prompt_logprobs and delta.outputs \
+                and all(c.index != 0 for c in delta.outputs):
+            # n > 1: every sample's request scores the same prompt; keep sample 0's prompt logprobs only
+            delta = replace(delta, prompt_logprobs=[])
         if isinstance(delta, BaseException) or isinstance(self.output, BaseException):
             self.output = delta if not isinstance(self.output, BaseException) else self.output
         elif self.output_kind == RequestOutputKind.DELTA:
