@@ -35,7 +35,7 @@ def _check_int(name: str, v) -> None:
 
 def _as_token_id(name: str, k) -> int:
     "A token id given as int or as a decimal string (JSON object keys are strings)."
-    if isinstance(k, str) and k.strip().lstrip("-").isdigit(): return int(k)
+    if isinstance(k, str) and k.strip().lstrip("-").isascii() and k.strip().lstrip("-").isdigit(): return int(k)
     _check_int(name, k)
     return k
 
@@ -79,6 +79,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
 
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):  # a list (or tuple/set) of them; a lone value or a string is an error
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple, set)) and not (name == "stop" and isinstance(v, str)):
+                raise ValueError(f"{name} must be a list, got {type(v).__name__} {v!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings
