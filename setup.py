@@ -14,6 +14,7 @@ extras = {
     "dev": ["fastcore==1.8.18", "execnb==0.1.16", "astunparse", "watchdog", "asttokens",
             "PyYAML", "packaging", "pytest", "pytest-timeout", "hypothesis", "jupytext", "gguf",
             "openai",  # the official OpenAI client, used by tests/test_server.py
+            "ruff==0.17.6",  # `make lint` (pyproject.toml [tool.ruff])
             # Triton kernels (kernels/): tested on the CPU under TRITON_INTERPRET=1; not needed at runtime there
             "triton==3.6.0; platform_system == 'Linux'",
             # the docs site (`make docs`, nbs/95_docs_site.ipynb) and its headless-browser test

@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'CPU_ATTENTION_SRC', 'load_cpu_attention_lib', 'cpu_attention_available', 'unified_attention_cpu']
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #c9af3bae
-CPU_ATTENTION_SRC = C_PRELUDE + r"""
+CPU_ATTENTION_SRC = (
+    C_PRELUDE
+    + r"""
 /* exp(x) for x <= 0; vectorisable. Below -87 the weight (< 1e-38) is 0. */
 static inline float exp_nonpos(float x) {
     const float xc = x < -87.0f ? -87.0f : x;
@@ -217,10 +219,16 @@ int paged_attention_f32_vec(const float* q, const float* kc, const float* vc, fl
 }
 #endif
 """
+)
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #1ab171e1
-_SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16", torch.float16: "paged_attention_f16"}
+_SYMBOLS = {
+    torch.float32: "paged_attention_f32",
+    torch.bfloat16: "paged_attention_bf16",
+    torch.float16: "paged_attention_f16",
+}
 _F32_VEC = "paged_attention_f32_vec"  # float32, head size 64, AVX2 + FMA
+
 
 @functools.cache
 def load_cpu_attention_lib() -> ctypes.CDLL | None:
@@ -230,27 +238,41 @@ def load_cpu_attention_lib() -> ctypes.CDLL | None:
     `$MINIVLLM_CACHE_DIR/kernels`, default `~/.cache/minivllm`). Returns None, with one log line saying why,
     when `MINIVLLM_CPU_ATTENTION=0`, no compiler is found, or compilation fails.
     Source: the role of vLLM's csrc/cpu/attention.cpp (built at install time there)."""
-    if os.environ.get("MINIVLLM_CPU_ATTENTION", "1") == "0": return None
+    if os.environ.get("MINIVLLM_CPU_ATTENTION", "1") == "0":
+        return None
     lib = build_cpu_library("cpu_attention", CPU_ATTENTION_SRC, CFLAGS)
-    if lib is None: return None
+    if lib is None:
+        return None
     P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     for name in [*_SYMBOLS.values(), _F32_VEC]:
-        if not hasattr(lib, name): continue  # the vector path exists only where the compiler targets AVX2 + FMA
+        if not hasattr(lib, name):
+            continue  # the vector path exists only where the compiler targets AVX2 + FMA
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [P, P, P, P, P, P, P, I64, I, I, I, I, I, I64, I64, I64, I64, F, I, F, I, P]
     return lib
+
 
 def cpu_attention_available() -> bool:
     "True when the CPU kernel is (or can be) built and loaded here."
     return load_cpu_attention_lib() is not None
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #b15fa69f
-def unified_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                          softmax_scale: float, max_query_len: int | None = None, sliding_window: int | None = None,
-                          soft_cap: float | None = None, num_threads: int | None = None,
-                          skip_reqs: torch.Tensor | None = None) -> torch.Tensor:
+def unified_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_threads: int | None = None,
+    skip_reqs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal paged attention for a mixed prefill/decode batch on the CPU, written into `out`.
 
     q, out: (T, num_heads, head_size), T >= query_start_loc[-1] (extra rows untouched), head dim contiguous;
@@ -266,40 +288,87 @@ def unified_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     device, dtype, layout or head-count mismatch. Source: vLLM v1/attention/backends/cpu_attn.py (role);
     design of kernels.unified_attention."""
     lib = load_cpu_attention_lib()
-    if lib is None: raise RuntimeError("the CPU attention kernel is unavailable (no C compiler, or MINIVLLM_CPU_ATTENTION=0)")
+    if lib is None:
+        raise RuntimeError(
+            "the CPU attention kernel is unavailable (no C compiler, or MINIVLLM_CPU_ATTENTION=0)"
+        )
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
     for name, t in tensors.items():
-        if t.device.type != "cpu": raise ValueError(f"unified_attention_cpu: {name} must be on the CPU; got {t.device}")
-        if t.dtype != q.dtype: raise ValueError(f"unified_attention_cpu: {name} has dtype {t.dtype}, q has {q.dtype}")
-    if q.dtype not in _SYMBOLS: raise ValueError(f"unified_attention_cpu: dtype must be one of {list(_SYMBOLS)}; got {q.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"unified_attention_cpu: {name} must be on the CPU; got {t.device}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"unified_attention_cpu: {name} has dtype {t.dtype}, q has {q.dtype}")
+    if q.dtype not in _SYMBOLS:
+        raise ValueError(f"unified_attention_cpu: dtype must be one of {list(_SYMBOLS)}; got {q.dtype}")
     if Dk != D or tuple(v_cache.shape) != tuple(k_cache.shape) or out.shape != q.shape:
-        raise ValueError(f"unified_attention_cpu: shapes disagree: q {tuple(q.shape)}, out {tuple(out.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    if Hq % Hkv: raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
+        raise ValueError(
+            f"unified_attention_cpu: shapes disagree: q {tuple(q.shape)}, out {tuple(out.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if Hq % Hkv:
+        raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     for name, t in (("q", q), ("out", out)):
-        if t.stride(2) != 1 or t.stride(1) != D: raise ValueError(f"unified_attention_cpu: {name} rows must be contiguous (T, H, D)")
+        if t.stride(2) != 1 or t.stride(1) != D:
+            raise ValueError(f"unified_attention_cpu: {name} rows must be contiguous (T, H, D)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(3) != 1 or t.stride(2) != D or t.stride(1) != Hkv * D or t.stride(0) != k_cache.stride(0):
-            raise ValueError(f"unified_attention_cpu: {name} must have contiguous (block_size, num_kv_heads, head_size) blocks")
-    if skip_reqs is not None and (skip_reqs.dtype != torch.uint8 or skip_reqs.device.type != "cpu"
-                                  or not skip_reqs.is_contiguous() or skip_reqs.shape != seq_lens.shape):
-        raise ValueError("unified_attention_cpu: skip_reqs must be a contiguous CPU uint8 tensor shaped like seq_lens")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+            raise ValueError(
+                f"unified_attention_cpu: {name} must have contiguous (block_size, num_kv_heads, head_size) blocks"
+            )
+    if skip_reqs is not None and (
+        skip_reqs.dtype != torch.uint8
+        or skip_reqs.device.type != "cpu"
+        or not skip_reqs.is_contiguous()
+        or skip_reqs.shape != seq_lens.shape
+    ):
+        raise ValueError(
+            "unified_attention_cpu: skip_reqs must be a contiguous CPU uint8 tensor shaped like seq_lens"
+        )
+    for name, t in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
         if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"unified_attention_cpu: {name} must be a CPU int32 tensor with a contiguous last dim; "
-                             f"got {t.dtype} on {t.device}")
+            raise ValueError(
+                f"unified_attention_cpu: {name} must be a CPU int32 tensor with a contiguous last dim; "
+                f"got {t.dtype} on {t.device}"
+            )
     num_seqs = seq_lens.shape[0]
-    if num_seqs == 0 or T == 0: return out
+    if num_seqs == 0 or T == 0:
+        return out
     qsl = query_start_loc if query_start_loc.is_contiguous() else query_start_loc.contiguous()
     symbol = _SYMBOLS[q.dtype]
-    if q.dtype == torch.float32 and D == 64 and hasattr(lib, _F32_VEC): symbol = _F32_VEC
+    if q.dtype == torch.float32 and D == 64 and hasattr(lib, _F32_VEC):
+        symbol = _F32_VEC
     rc = getattr(lib, symbol)(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), qsl.data_ptr(), seq_lens.data_ptr(),
-        block_table.data_ptr(), block_table.stride(0), num_seqs, Hq, Hkv, D, block_size, q.stride(0), out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), float(softmax_scale), int(sliding_window or 0), float(soft_cap or 0.0),
-        max(1, int(num_threads or torch.get_num_threads())), None if skip_reqs is None else skip_reqs.data_ptr())
-    if rc == -1: raise ValueError(f"unified_attention_cpu: at most 256 heads of size <= 512; got {Hq} heads of {D}")
-    if rc != 0: raise MemoryError("unified_attention_cpu: out of memory for the score buffers")
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        qsl.data_ptr(),
+        seq_lens.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        num_seqs,
+        Hq,
+        Hkv,
+        D,
+        block_size,
+        q.stride(0),
+        out.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        float(softmax_scale),
+        int(sliding_window or 0),
+        float(soft_cap or 0.0),
+        max(1, int(num_threads or torch.get_num_threads())),
+        None if skip_reqs is None else skip_reqs.data_ptr(),
+    )
+    if rc == -1:
+        raise ValueError(f"unified_attention_cpu: at most 256 heads of size <= 512; got {Hq} heads of {D}")
+    if rc != 0:
+        raise MemoryError("unified_attention_cpu: out of memory for the score buffers")
     return out

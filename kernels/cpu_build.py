@@ -21,22 +21,38 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'CFLAGS', 'C_PRELUDE', 'kernel_cache_dir', 'find_c_compiler', 'build_cpu_library']
 
 # %% ../nbs/kernels/01a_cpu_build.ipynb #ce76a3eb
-CFLAGS: list[str] = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+CFLAGS: list[str] = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
+
 
 def kernel_cache_dir() -> Path:
     "Folder of the built libraries: `$MINIVLLM_CACHE_DIR/kernels` (default `~/.cache/minivllm/kernels`)."
-    return Path(os.environ.get("MINIVLLM_CACHE_DIR") or Path.home() / ".cache" / "minivllm").expanduser() / "kernels"
+    return (
+        Path(os.environ.get("MINIVLLM_CACHE_DIR") or Path.home() / ".cache" / "minivllm").expanduser()
+        / "kernels"
+    )
+
 
 def find_c_compiler() -> str | None:
     "Path of `$CC` (else `cc`, else `gcc`), or None when there is none."
     cc = os.environ.get("CC") or "cc"
     return shutil.which(cc) or shutil.which("gcc")
 
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") or line.startswith("flags"): return line
-    except OSError: pass
+            if line.startswith("model name") or line.startswith("flags"):
+                return line
+    except OSError:
+        pass
     return os.uname().machine
 
 # %% ../nbs/kernels/01a_cpu_build.ipynb #5625a98a
@@ -51,16 +67,22 @@ def build_cpu_library(name: str, source: str, cflags: Sequence[str] = CFLAGS) ->
     if cc is None:
         logger.info("no C compiler found ($CC, cc, gcc): the %s kernels are unavailable, using torch", name)
         return None
-    try: version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError): version = ""
-    key = hashlib.sha256("\0".join([source, " ".join(cflags), version, _cpu_model()]).encode()).hexdigest()[:16]
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256("\0".join([source, " ".join(cflags), version, _cpu_model()]).encode()).hexdigest()[
+        :16
+    ]
     path = kernel_cache_dir() / f"{name}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             src, obj = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
             src.write_text(source)
-            res = subprocess.run([cc, *cflags, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True)
+            res = subprocess.run(
+                [cc, *cflags, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True
+            )
             if res.returncode != 0:
                 logger.warning("building the %s kernels failed (using torch):\n%s", name, res.stderr[-2000:])
                 return None

@@ -18,7 +18,9 @@ __all__ = ['CPU_OPS_SRC', 'CPU_OPS_CFLAGS', 'load_cpu_ops_lib', 'cpu_ops_availab
            'fused_add_rms_norm', 'silu_and_mul', 'rotary_embedding']
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #68c244b4
-CPU_OPS_SRC = C_PRELUDE + r"""
+CPU_OPS_SRC = (
+    C_PRELUDE
+    + r"""
 /* exp(x) for any float x, vectorisable (Cody-Waite reduction, Cephes polynomial, ~1 ulp): inf above 88.72,
    0 below -87.33 (no denormals). */
 static inline float exp_any(float x) {
@@ -125,28 +127,35 @@ DEFINE_ALL(f32, float, f32_id, f32_id, f32_id)
 DEFINE_ALL(bf16, bf16_t, bf16_load, bf16_store, bf16_round)
 DEFINE_ALL(f16, _Float16, f16_load, f16_store, f16_round)
 """
+)
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #a8661b95
 CPU_OPS_CFLAGS = [*CFLAGS, "-ffp-contract=off"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
+
 @functools.cache
 def load_cpu_ops_lib() -> ctypes.CDLL | None:
     """Compile (first time) and load the fused CPU ops; None when `MINIVLLM_CPU_OPS=0`, no compiler, or a failed build.
     Source: the role of vLLM's csrc/cpu/{layernorm,activation,pos_encoding}.cpp (built at install time there)."""
-    if os.environ.get("MINIVLLM_CPU_OPS", "1") == "0": return None
+    if os.environ.get("MINIVLLM_CPU_OPS", "1") == "0":
+        return None
     lib = build_cpu_library("cpu_ops", CPU_OPS_SRC, CPU_OPS_CFLAGS)
-    if lib is None: return None
+    if lib is None:
+        return None
     P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    sigs = {"rms_norm": (None, [P, P, P, I64, I64, I64, I64, I, F, I]),
-            "fused_add_rms_norm": (None, [P, P, P, I64, I, F, I]),
-            "silu_and_mul": (None, [P, P, I64, I, I64, I]),
-            "rotary_embedding": (I, [P, P, P, P, I64, I, I, I, I, I64, I64, I, I64, I])}
+    sigs = {
+        "rms_norm": (None, [P, P, P, I64, I64, I64, I64, I, F, I]),
+        "fused_add_rms_norm": (None, [P, P, P, I64, I, F, I]),
+        "silu_and_mul": (None, [P, P, I64, I, I64, I]),
+        "rotary_embedding": (I, [P, P, P, P, I64, I, I, I, I, I64, I64, I, I64, I]),
+    }
     for op, (res, args) in sigs.items():
         for suf in _SUFFIX.values():
             fn = getattr(lib, f"{op}_{suf}")
             fn.restype, fn.argtypes = res, args
     return lib
+
 
 def cpu_ops_available() -> bool:
     "True when the fused CPU ops are (or can be) built and loaded here."
@@ -155,32 +164,49 @@ def cpu_ops_available() -> bool:
 # %% ../nbs/kernels/03_cpu_ops.ipynb #0dd17239
 def can_use_cpu_ops(*tensors: torch.Tensor) -> bool:
     "True when the kernels are loaded and all tensors are CPU tensors of one supported dtype that autograd is not tracking."
-    if load_cpu_ops_lib() is None: return False
+    if load_cpu_ops_lib() is None:
+        return False
     dtype, grad = tensors[0].dtype, torch.is_grad_enabled()
-    if dtype not in _SUFFIX: return False
+    if dtype not in _SUFFIX:
+        return False
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != dtype or (grad and t.requires_grad): return False
+        if t.device.type != "cpu" or t.dtype != dtype or (grad and t.requires_grad):
+            return False
     return True
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #4d488ce9
 def _check(name: str, *tensors: torch.Tensor) -> str:
     dtype = tensors[0].dtype
     for t in tensors:
-        if t.device.type != "cpu": raise ValueError(f"{name}: tensors must be on the CPU; got {t.device}")
-        if t.dtype != dtype: raise ValueError(f"{name}: dtypes differ: {[str(t.dtype) for t in tensors]}")
-    if dtype not in _SUFFIX: raise ValueError(f"{name}: dtype must be float32, bfloat16 or float16; got {dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: tensors must be on the CPU; got {t.device}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: dtypes differ: {[str(t.dtype) for t in tensors]}")
+    if dtype not in _SUFFIX:
+        raise ValueError(f"{name}: dtype must be float32, bfloat16 or float16; got {dtype}")
     return _SUFFIX[dtype]
+
 
 def _lib(name: str) -> ctypes.CDLL:
     lib = load_cpu_ops_lib()
-    if lib is None: raise RuntimeError(f"{name}: the fused CPU ops are unavailable (no C compiler, or MINIVLLM_CPU_OPS=0)")
+    if lib is None:
+        raise RuntimeError(
+            f"{name}: the fused CPU ops are unavailable (no C compiler, or MINIVLLM_CPU_OPS=0)"
+        )
     return lib
 
-def _threads(num_threads: int | None) -> int: return max(1, int(num_threads or torch.get_num_threads()))
+
+def _threads(num_threads: int | None) -> int:
+    return max(1, int(num_threads or torch.get_num_threads()))
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #2f12ec06
-def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float,
-             num_threads: int | None = None) -> None:
+def rms_norm(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    num_threads: int | None = None,
+) -> None:
     """out = weight * round(x * rsqrt(mean(x², -1) + epsilon)) over the last dim (hidden,), into `out`.
 
     input: (..., hidden), at most 3 dims, last dim contiguous (other strides free, e.g. a per-head view of
@@ -189,19 +215,46 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsil
     if the kernels are unavailable. Source: vLLM csrc/cpu/layernorm.cpp `rms_norm` (_custom_ops.py signature)."""
     suf = _check("rms_norm", out, input, weight)
     hidden = input.shape[-1]
-    if out.shape != input.shape or not out.is_contiguous() or weight.shape != (hidden,) or not weight.is_contiguous():
-        raise ValueError(f"rms_norm: out {tuple(out.shape)} (contiguous) must match input {tuple(input.shape)}, "
-                         f"weight {tuple(weight.shape)} must be ({hidden},) contiguous")
-    if input.is_contiguous(): grid = (input.numel() // max(hidden, 1), 1, hidden, 0)
-    elif input.dim() == 2 and input.stride(1) == 1: grid = (input.shape[0], 1, input.stride(0), 0)
-    elif input.dim() == 3 and input.stride(2) == 1: grid = (input.shape[0], input.shape[1], input.stride(0), input.stride(1))
-    else: raise ValueError(f"rms_norm: input must have a contiguous last dim and at most 3 dims; got strides {input.stride()}")
-    if input.numel() == 0: return
-    getattr(_lib("rms_norm"), f"rms_norm_{suf}")(out.data_ptr(), input.data_ptr(), weight.data_ptr(), *grid, hidden,
-                                                  float(epsilon), _threads(num_threads))
+    if (
+        out.shape != input.shape
+        or not out.is_contiguous()
+        or weight.shape != (hidden,)
+        or not weight.is_contiguous()
+    ):
+        raise ValueError(
+            f"rms_norm: out {tuple(out.shape)} (contiguous) must match input {tuple(input.shape)}, "
+            f"weight {tuple(weight.shape)} must be ({hidden},) contiguous"
+        )
+    if input.is_contiguous():
+        grid = (input.numel() // max(hidden, 1), 1, hidden, 0)
+    elif input.dim() == 2 and input.stride(1) == 1:
+        grid = (input.shape[0], 1, input.stride(0), 0)
+    elif input.dim() == 3 and input.stride(2) == 1:
+        grid = (input.shape[0], input.shape[1], input.stride(0), input.stride(1))
+    else:
+        raise ValueError(
+            f"rms_norm: input must have a contiguous last dim and at most 3 dims; got strides {input.stride()}"
+        )
+    if input.numel() == 0:
+        return
+    getattr(_lib("rms_norm"), f"rms_norm_{suf}")(
+        out.data_ptr(),
+        input.data_ptr(),
+        weight.data_ptr(),
+        *grid,
+        hidden,
+        float(epsilon),
+        _threads(num_threads),
+    )
 
-def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float,
-                       num_threads: int | None = None) -> None:
+
+def fused_add_rms_norm(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    num_threads: int | None = None,
+) -> None:
     """In place: residual = round(input + residual); input = rms_norm(residual) * weight.
 
     input, residual: (..., hidden) contiguous, same shape; weight (hidden,); one dtype (float32, bfloat16,
@@ -210,13 +263,22 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
     suf = _check("fused_add_rms_norm", input, residual, weight)
     hidden = input.shape[-1]
     if residual.shape != input.shape or weight.shape != (hidden,):
-        raise ValueError(f"fused_add_rms_norm: input {tuple(input.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"fused_add_rms_norm: input {tuple(input.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}"
+        )
     if not (input.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
         raise ValueError("fused_add_rms_norm: input, residual and weight must be contiguous")
-    if input.numel() == 0: return
+    if input.numel() == 0:
+        return
     getattr(_lib("fused_add_rms_norm"), f"fused_add_rms_norm_{suf}")(
-        input.data_ptr(), residual.data_ptr(), weight.data_ptr(), input.numel() // hidden, hidden, float(epsilon),
-        _threads(num_threads))
+        input.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        input.numel() // hidden,
+        hidden,
+        float(epsilon),
+        _threads(num_threads),
+    )
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #917ec837
 def silu_and_mul(out: torch.Tensor, input: torch.Tensor, num_threads: int | None = None) -> None:
@@ -227,24 +289,46 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor, num_threads: int | None
     suf = _check("silu_and_mul", out, input)
     d = input.shape[-1] // 2
     if input.shape[-1] != 2 * d or out.shape != (*input.shape[:-1], d) or not out.is_contiguous():
-        raise ValueError(f"silu_and_mul: input {tuple(input.shape)} needs an even last dim, out {tuple(out.shape)} its half (contiguous)")
-    if input.is_contiguous(): rows, stride = input.numel() // max(2 * d, 1), 2 * d
-    elif input.dim() == 2 and input.stride(1) == 1: rows, stride = input.shape[0], input.stride(0)
-    else: raise ValueError(f"silu_and_mul: input must be contiguous or 2-D with a contiguous last dim; strides {input.stride()}")
-    if out.numel() == 0: return
-    getattr(_lib("silu_and_mul"), f"silu_and_mul_{suf}")(out.data_ptr(), input.data_ptr(), rows, d, stride, _threads(num_threads))
+        raise ValueError(
+            f"silu_and_mul: input {tuple(input.shape)} needs an even last dim, out {tuple(out.shape)} its half (contiguous)"
+        )
+    if input.is_contiguous():
+        rows, stride = input.numel() // max(2 * d, 1), 2 * d
+    elif input.dim() == 2 and input.stride(1) == 1:
+        rows, stride = input.shape[0], input.stride(0)
+    else:
+        raise ValueError(
+            f"silu_and_mul: input must be contiguous or 2-D with a contiguous last dim; strides {input.stride()}"
+        )
+    if out.numel() == 0:
+        return
+    getattr(_lib("silu_and_mul"), f"silu_and_mul_{suf}")(
+        out.data_ptr(), input.data_ptr(), rows, d, stride, _threads(num_threads)
+    )
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #f75dc624
 def _heads(name: str, x: torch.Tensor, head_size: int) -> int:
     per_tok = x[0].numel() if x.shape[0] else x.numel()
-    ok = x.stride(-1) == 1 and (x.dim() == 2 or (x.dim() == 3 and x.shape[2] == head_size and x.stride(1) == head_size))
+    ok = x.stride(-1) == 1 and (
+        x.dim() == 2 or (x.dim() == 3 and x.shape[2] == head_size and x.stride(1) == head_size)
+    )
     if not ok or per_tok % head_size:
-        raise ValueError(f"rotary_embedding: {name} must be (T, heads*{head_size}) or (T, heads, {head_size}) with "
-                         f"contiguous heads; got shape {tuple(x.shape)}, strides {x.stride()}")
+        raise ValueError(
+            f"rotary_embedding: {name} must be (T, heads*{head_size}) or (T, heads, {head_size}) with "
+            f"contiguous heads; got shape {tuple(x.shape)}, strides {x.stride()}"
+        )
     return per_tok // head_size
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
-                     cos_sin_cache: torch.Tensor, is_neox: bool, num_threads: int | None = None) -> None:
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    num_threads: int | None = None,
+) -> None:
     """Rotate the first rot_dim = cos_sin_cache.shape[1] dims of every head of query (and key) in place.
 
     positions: (T,) int64 contiguous; query/key: (T, heads*head_size) or (T, heads, head_size), heads contiguous
@@ -254,18 +338,48 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     Source: vLLM csrc/cpu/pos_encoding.cpp `rotary_embedding`."""
     suf = _check("rotary_embedding", *([query] if key is None else [query, key]))
     T = query.shape[0]
-    if positions.dtype != torch.int64 or positions.dim() != 1 or positions.shape[0] != T or not positions.is_contiguous():
-        raise ValueError(f"rotary_embedding: positions must be ({T},) int64 contiguous; got {tuple(positions.shape)} {positions.dtype}")
-    if (cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or not cos_sin_cache.is_contiguous()
-            or cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] > head_size or cos_sin_cache.device.type != "cpu"):
-        raise ValueError(f"rotary_embedding: cos_sin_cache must be (max_position, rot_dim <= {head_size}, even) float32 "
-                         f"contiguous on the CPU; got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}")
+    if (
+        positions.dtype != torch.int64
+        or positions.dim() != 1
+        or positions.shape[0] != T
+        or not positions.is_contiguous()
+    ):
+        raise ValueError(
+            f"rotary_embedding: positions must be ({T},) int64 contiguous; got {tuple(positions.shape)} {positions.dtype}"
+        )
+    if (
+        cos_sin_cache.dtype != torch.float32
+        or cos_sin_cache.dim() != 2
+        or not cos_sin_cache.is_contiguous()
+        or cos_sin_cache.shape[1] % 2
+        or cos_sin_cache.shape[1] > head_size
+        or cos_sin_cache.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"rotary_embedding: cos_sin_cache must be (max_position, rot_dim <= {head_size}, even) float32 "
+            f"contiguous on the CPU; got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}"
+        )
     Hq = _heads("query", query, head_size)
     Hk = 0 if key is None else _heads("key", key, head_size)
-    if key is not None and key.shape[0] != T: raise ValueError(f"rotary_embedding: key has {key.shape[0]} tokens, query {T}")
-    if T == 0: return
+    if key is not None and key.shape[0] != T:
+        raise ValueError(f"rotary_embedding: key has {key.shape[0]} tokens, query {T}")
+    if T == 0:
+        return
     rc = getattr(_lib("rotary_embedding"), f"rotary_embedding_{suf}")(
-        positions.data_ptr(), query.data_ptr(), None if key is None else key.data_ptr(), cos_sin_cache.data_ptr(), T,
-        Hq, Hk, head_size, cos_sin_cache.shape[1], query.stride(0), 0 if key is None else key.stride(0), int(is_neox),
-        cos_sin_cache.shape[0], _threads(num_threads))
-    if rc != 0: raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")
+        positions.data_ptr(),
+        query.data_ptr(),
+        None if key is None else key.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        T,
+        Hq,
+        Hk,
+        head_size,
+        cos_sin_cache.shape[1],
+        query.stride(0),
+        0 if key is None else key.stride(0),
+        int(is_neox),
+        cos_sin_cache.shape[0],
+        _threads(num_threads),
+    )
+    if rc != 0:
+        raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")

@@ -14,10 +14,22 @@ __all__ = ['reshape_and_cache']
 
 # %% ../nbs/kernels/00_reshape_and_cache.ipynb #528776d9
 @triton.jit
-def _reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                              key_stride, value_stride, kc_block_stride, kc_slot_stride, vc_block_stride,
-                              vc_slot_stride, BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr,
-                              ROW_PADDED: tl.constexpr):
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    key_stride,
+    value_stride,
+    kc_block_stride,
+    kc_slot_stride,
+    vc_block_stride,
+    vc_slot_stride,
+    BLOCK_SIZE: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_PADDED: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:  # padding token: its K/V must not overwrite anybody's cache
@@ -27,18 +39,30 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr
     in_row = cols < ROW
     k = tl.load(key_ptr + t.to(tl.int64) * key_stride + cols, mask=in_row)
     v = tl.load(value_ptr + t.to(tl.int64) * value_stride + cols, mask=in_row)
-    tl.store(key_cache_ptr + block * kc_block_stride + offset * kc_slot_stride + cols,
-             k.to(key_cache_ptr.dtype.element_ty), mask=in_row)
-    tl.store(value_cache_ptr + block * vc_block_stride + offset * vc_slot_stride + cols,
-             v.to(value_cache_ptr.dtype.element_ty), mask=in_row)
+    tl.store(
+        key_cache_ptr + block * kc_block_stride + offset * kc_slot_stride + cols,
+        k.to(key_cache_ptr.dtype.element_ty),
+        mask=in_row,
+    )
+    tl.store(
+        value_cache_ptr + block * vc_block_stride + offset * vc_slot_stride + cols,
+        v.to(value_cache_ptr.dtype.element_ty),
+        mask=in_row,
+    )
 
 # %% ../nbs/kernels/00_reshape_and_cache.ipynb #0701df0a
 def _row_contiguous(x: torch.Tensor) -> bool:
     "Is each x[t] (…, Hkv, D) one contiguous run of Hkv*D elements?"
     return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write key/value rows into the paged cache, in place, with one Triton program per slot.
 
     key, value: (num_tokens, num_kv_heads, head_size), each token's row contiguous; key_cache, value_cache:
@@ -47,16 +71,32 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     mismatch. Source: vLLM _custom_ops.py `reshape_and_cache_flash` (the CUDA op this replaces)."""
     n = slot_mapping.shape[0]
     if n > key.shape[0] or key.shape[1:] != key_cache.shape[2:] or value.shape[1:] != value_cache.shape[2:]:
-        raise ValueError(f"reshape_and_cache: key {tuple(key.shape)}, cache {tuple(key_cache.shape)}, "
-                         f"{n} slots do not fit together")
+        raise ValueError(
+            f"reshape_and_cache: key {tuple(key.shape)}, cache {tuple(key_cache.shape)}, "
+            f"{n} slots do not fit together"
+        )
     for name, x in (("key", key), ("value", value)):
-        if not _row_contiguous(x): raise ValueError(f"reshape_and_cache: each token's {name} row must be contiguous")
+        if not _row_contiguous(x):
+            raise ValueError(f"reshape_and_cache: each token's {name} row must be contiguous")
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not (_row_contiguous(c) and c.stride(1) == c.shape[2] * c.shape[3]):
             raise ValueError(f"reshape_and_cache: {name} pages must be contiguous")
-    if n == 0: return
+    if n == 0:
+        return
     row = key.shape[1] * key.shape[2]
     _reshape_and_cache_kernel[(n,)](
-        key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),
-        key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
-        BLOCK_SIZE=key_cache.shape[1], ROW=row, ROW_PADDED=triton.next_power_of_2(row))
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        BLOCK_SIZE=key_cache.shape[1],
+        ROW=row,
+        ROW_PADDED=triton.next_power_of_2(row),
+    )

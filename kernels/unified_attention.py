@@ -30,13 +30,38 @@ def _find_seq_idx(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr)
 # %% ../nbs/kernels/01_unified_attention.ipynb #a1b65c8d
 @triton.jit
 def _unified_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-        scale, soft_cap, num_seqs,
-        q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-        kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, bt_stride,
-        NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale,
+    soft_cap,
+    num_seqs,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
+    bt_stride,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -56,8 +81,11 @@ def _unified_attention_kernel(
     row_ok = (offs_m // NUM_QUERIES_PER_KV < BLOCK_Q) & (q_idx < q_len)
     d_ok = offs_d < HEAD_SIZE
     tok = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * q_stride_t + head[:, None] * q_stride_h + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, D)
+    q = tl.load(
+        q_ptr + tok[:, None] * q_stride_t + head[:, None] * q_stride_h + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)  # (BLOCK_M, D)
     q_pos = context_len + q_idx  # absolute position of each row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -72,13 +100,24 @@ def _unified_attention_kernel(
     while tile <= last_pos // TILE:  # a while loop: the interpreter cannot range() over loaded values
         kv_pos = tile * TILE + offs_t  # (TILE,)
         kv_ok = kv_pos <= last_pos
-        blk = tl.load(block_table_ptr + seq_idx.to(tl.int64) * bt_stride + kv_pos // BLOCK_SIZE,
-                      mask=kv_ok, other=0).to(tl.int64)
+        blk = tl.load(
+            block_table_ptr + seq_idx.to(tl.int64) * bt_stride + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0
+        ).to(tl.int64)
         in_blk = (kv_pos % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_cache_ptr + (blk * kc_stride_b + in_blk * kc_stride_s + kv_head * kc_stride_h)[None, :]
-                    + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)  # (D, TILE)
-        v = tl.load(v_cache_ptr + (blk * vc_stride_b + in_blk * vc_stride_s + kv_head * vc_stride_h)[:, None]
-                    + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (TILE, D)
+        k = tl.load(
+            k_cache_ptr
+            + (blk * kc_stride_b + in_blk * kc_stride_s + kv_head * kc_stride_h)[None, :]
+            + offs_d[:, None],
+            mask=kv_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)  # (D, TILE)
+        v = tl.load(
+            v_cache_ptr
+            + (blk * vc_stride_b + in_blk * vc_stride_s + kv_head * vc_stride_h)[:, None]
+            + offs_d[None, :],
+            mask=kv_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # (TILE, D)
         s = scale * tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, TILE)
         if USE_SOFTCAP:
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
@@ -95,14 +134,26 @@ def _unified_attention_kernel(
         m_i = m_new
         tile += 1
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + tok[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + tok[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 # %% ../nbs/kernels/01_unified_attention.ipynb #bcd6465e
-def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                      softmax_scale: float, max_query_len: int | None = None, sliding_window: int | None = None,
-                      soft_cap: float | None = None) -> torch.Tensor:
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """Causal paged attention for a mixed prefill/decode batch, written into `out`, in one kernel launch.
 
     q, out: (T, num_heads, head_size), T >= query_start_loc[-1] (extra rows untouched); k_cache, v_cache:
@@ -113,23 +164,48 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Source: vLLM attention/ops/triton_unified_attention.py `unified_attention` (design; code our own)."""
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, _ = k_cache.shape
-    if Hq % Hkv: raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
+    if Hq % Hkv:
+        raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("unified_attention: the head dimension must be contiguous")
     num_seqs = seq_lens.shape[0]
-    if T == 0 or num_seqs == 0: return out
+    if T == 0 or num_seqs == 0:
+        return out
     G = Hq // Hkv
     BLOCK_M = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(G))
     BLOCK_Q = BLOCK_M // G
     grid = (T // BLOCK_Q + num_seqs, Hkv)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc,
-        float(softmax_scale), float(soft_cap or 0.0), num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        NUM_QUERIES_PER_KV=G, HEAD_SIZE=D, HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(D)),
-        BLOCK_SIZE=block_size, TILE=max(16, min(64, triton.next_power_of_2(block_size))), BLOCK_Q=BLOCK_Q,
-        BLOCK_M=BLOCK_M, SLIDING_WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(soft_cap),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        float(softmax_scale),
+        float(soft_cap or 0.0),
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        NUM_QUERIES_PER_KV=G,
+        HEAD_SIZE=D,
+        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(D)),
+        BLOCK_SIZE=block_size,
+        TILE=max(16, min(64, triton.next_power_of_2(block_size))),
+        BLOCK_Q=BLOCK_Q,
+        BLOCK_M=BLOCK_M,
+        SLIDING_WINDOW=int(sliding_window or 0),
+        USE_SOFTCAP=bool(soft_cap),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
     return out

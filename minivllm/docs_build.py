@@ -57,28 +57,41 @@ MODULE_RULES: list[tuple[str, str]] = [
 
 # (first, last, section): used when no module rule matched
 NUMBER_FALLBACK: list[tuple[int, int, str]] = [
-    (11, 19, "core"), (20, 29, "engine"), (30, 39, "worker"), (40, 49, "worker"),
-    (50, 59, "engine"), (60, 69, "connectors"), (70, 79, "multimodal"), (80, 89, "server"),
+    (11, 19, "core"),
+    (20, 29, "engine"),
+    (30, 39, "worker"),
+    (40, 49, "worker"),
+    (50, 59, "engine"),
+    (60, 69, "connectors"),
+    (70, 79, "multimodal"),
+    (80, 89, "server"),
     (90, 99, "appendix"),
 ]
 
+
 def section_for(number: int | None, module: str | None) -> str:
     "Sidebar section key (a key of `SECTIONS`) of a chapter with this leading number and `default_exp` module."
+
     def by_number(table):
         return next((s for lo, hi, s in table if number is not None and lo <= number <= hi), None)
-    if sec := by_number(NUMBER_FIRST): return sec
+
+    if sec := by_number(NUMBER_FIRST):
+        return sec
     if module:
         for pat, sec in MODULE_RULES:
-            if re.search(pat, module): return sec
+            if re.search(pat, module):
+                return sec
     return by_number(NUMBER_FALLBACK) or "appendix"
 
 # %% ../nbs/95_docs_site.ipynb #4986e17d
 _NUM = re.compile(r"^(\d+)([a-z]*)_")
 _DIRECTIVE = re.compile(r"^\s*#\s*\|\s*([\w-]+)\s*:?\s*(.*?)\s*$")
 
+
 @dataclass
 class Chapter:
     "One notebook as a page: where it is, its number, title, exported module and sidebar section."
+
     path: Path
     stem: str
     number: int | None
@@ -92,17 +105,24 @@ class Chapter:
     def sort_key(self) -> tuple:
         return (self.number is None, self.number or 0, self.suffix, self.stem)
 
+
 def _src(cell) -> str:
     s = cell.get("source", "")
     return "".join(s) if isinstance(s, list) else s
 
+
 def cell_directives(source: str) -> tuple[dict[str, str], str]:
     "Split nbdev `#| name value` lines off the top of a code cell: ({name: value}, remaining source)."
     lines, dirs, i = source.splitlines(), {}, 0
-    while i < len(lines) and (m := _DIRECTIVE.match(lines[i]) or (None if lines[i].strip() else False)) is not None:
-        if m: dirs[m.group(1)] = m.group(2)
+    while (
+        i < len(lines)
+        and (m := _DIRECTIVE.match(lines[i]) or (None if lines[i].strip() else False)) is not None
+    ):
+        if m:
+            dirs[m.group(1)] = m.group(2)
         i += 1
     return dirs, "\n".join(lines[i:]).strip("\n")
+
 
 def read_chapter(path: Path, package: str | None = None) -> Chapter:
     """Read a notebook's number, title (its first `# ` heading), `default_exp` module and section.
@@ -119,22 +139,28 @@ def read_chapter(path: Path, package: str | None = None) -> Chapter:
         src = _src(cell)
         if cell.get("cell_type") == "markdown":
             md.append(src)
-            if title is None and (h := re.search(r"^#\s+(.+?)\s*$", src, re.M)): title = h.group(1)
+            if title is None and (h := re.search(r"^#\s+(.+?)\s*$", src, re.M)):
+                title = h.group(1)
         elif cell.get("cell_type") == "code" and module is None:
             module = cell_directives(src)[0].get("default_exp")
     title = title or path.stem
-    if package: module = f"{package}.{module}" if module else package
+    if package:
+        module = f"{package}.{module}" if module else package
     stem = f"{package}_{path.stem}" if package else path.stem
     return Chapter(path, stem, number, suffix, title, module, section_for(number, module), "\n\n".join(md))
+
 
 def find_repo(start: Path | None = None) -> Path:
     "The repo root: the nearest folder holding settings.ini, from `start` (default: cwd) upwards."
     p = Path(start or Path.cwd()).resolve()
     for d in [p, *p.parents]:
-        if (d / "settings.ini").exists(): return d
+        if (d / "settings.ini").exists():
+            return d
     raise FileNotFoundError(f"no settings.ini in {p} or above")
 
+
 SUB_PACKAGES = ["kernels"]  # folders of nbs/ that are nbdev packages of their own (nbs/kernels -> kernels/)
+
 
 def discover_chapters(nbs_path: Path) -> list[Chapter]:
     """All chapter notebooks under `nbs_path` and its `SUB_PACKAGES` folders (not `index.ipynb`, not
@@ -144,23 +170,32 @@ def discover_chapters(nbs_path: Path) -> list[Chapter]:
     found = [(p, None) for p in Path(nbs_path).glob("*.ipynb")]
     found += [(p, pkg) for pkg in SUB_PACKAGES for p in (Path(nbs_path) / pkg).glob("*.ipynb")]
     for p, pkg in found:
-        if p.stem == "index" or p.name.startswith(("_", ".")): continue
-        try: chapters.append(read_chapter(p, pkg))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e: print(f"docs: skipping {p.name}: {e}", file=sys.stderr)
+        if p.stem == "index" or p.name.startswith(("_", ".")):
+            continue
+        try:
+            chapters.append(read_chapter(p, pkg))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            print(f"docs: skipping {p.name}: {e}", file=sys.stderr)
     return sorted(chapters, key=lambda c: c.sort_key)
 
 # %% ../nbs/95_docs_site.ipynb #3b6bde77
 DIAGRAM_FENCE = "```{mermaid}"  # the one spelling the notebooks use (Quarto's) (see "Which fence" above)
 
-_MERMAID = re.compile(r"^(?P<ind>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*\{?mermaid\}?[ \t]*\n(?P<body>.*?)^[ \t]*(?P=fence)[ \t]*$",
-                      re.M | re.S)
+_MERMAID = re.compile(
+    r"^(?P<ind>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*\{?mermaid\}?[ \t]*\n(?P<body>.*?)^[ \t]*(?P=fence)[ \t]*$",
+    re.M | re.S,
+)
+
 
 def mermaid_to_html(markdown: str) -> str:
-    "Replace each ```mermaid (or ```{mermaid}) fence in `markdown` with a `<pre class=\"mermaid\">` block."
+    'Replace each ```mermaid (or ```{mermaid}) fence in `markdown` with a `<pre class="mermaid">` block.'
+
     def repl(m):
         body = "\n".join(l for l in m.group("body").splitlines() if not l.lstrip().startswith("%%|"))
         return f'<pre class="mermaid">\n{html.escape(body.strip(), quote=False)}\n</pre>'
+
     return _MERMAID.sub(repl, markdown)
+
 
 def clean_notebook(nb: dict, title: str = "", seed_html: str = "") -> dict:
     "A copy of notebook dict `nb` ready for myst-nb: directives stripped, hidden cells dropped, diagrams converted."
@@ -169,13 +204,17 @@ def clean_notebook(nb: dict, title: str = "", seed_html: str = "") -> dict:
         cell, src = dict(cell), _src(cell)
         if cell.get("cell_type") == "code":
             dirs, src = cell_directives(src)
-            if "hide" in dirs or not (src.strip() or cell.get("outputs")): continue
+            if "hide" in dirs or not (src.strip() or cell.get("outputs")):
+                continue
             tags = list(cell.get("metadata", {}).get("tags", []))
-            if dirs.get("echo") == "false": tags.append("remove-input")
-            if dirs.get("output") == "false": tags.append("remove-output")
+            if dirs.get("echo") == "false":
+                tags.append("remove-input")
+            if dirs.get("output") == "false":
+                tags.append("remove-output")
             cell["metadata"] = {"tags": tags} if tags else {}
         elif cell.get("cell_type") == "markdown":
-            if _DIRECTIVE.match(src.split("\n", 1)[0]) and "hide" in cell_directives(src)[0]: continue
+            if _DIRECTIVE.match(src.split("\n", 1)[0]) and "hide" in cell_directives(src)[0]:
+                continue
             src = mermaid_to_html(src)
             if not titled and (h := re.search(r"^#\s+.+$", src, re.M)):
                 titled = True
@@ -185,15 +224,26 @@ def clean_notebook(nb: dict, title: str = "", seed_html: str = "") -> dict:
         cell["id"] = f"cell-{len(cells)}"  # nbformat 4.5 wants ids; nbdev_clean may have dropped them
         cells.append(cell)
     if not titled:
-        cells.insert(0, {"cell_type": "markdown", "metadata": {}, "id": "cell-title",
-                         "source": f"# {title or 'Untitled'}\n\n{seed_html}\n".rstrip() + "\n"})
-    meta = {"kernelspec": {"display_name": "python3", "language": "python", "name": "python3"},
-            "language_info": {"name": "python", "pygments_lexer": "ipython3"}}
+        cells.insert(
+            0,
+            {
+                "cell_type": "markdown",
+                "metadata": {},
+                "id": "cell-title",
+                "source": f"# {title or 'Untitled'}\n\n{seed_html}\n".rstrip() + "\n",
+            },
+        )
+    meta = {
+        "kernelspec": {"display_name": "python3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python", "pygments_lexer": "ipython3"},
+    }
     return {"cells": cells, "metadata": meta, "nbformat": 4, "nbformat_minor": 5}
+
 
 def _insert_after_summary(src: str, pos: int, block: str) -> str:
     "Put `block` after the H1 ending at `pos` and the nbdev `> summary` lines that follow it."
-    if not block: return src
+    if not block:
+        return src
     rest = src[pos:]
     m = re.match(r"(\s*\n(?:[ \t]*>.*\n?)+)?", rest)
     cut = pos + (m.end() if m else 0)
@@ -202,9 +252,11 @@ def _insert_after_summary(src: str, pos: int, block: str) -> str:
 # %% ../nbs/95_docs_site.ipynb #a1c3b4e8
 MAIN_SEED = "000_097d1cbd935fcfe7.txt"
 
+
 @dataclass(frozen=True)
 class SeedChapter:
     "A chapter of the seed notes: file, first line, title as the seeds' README gives it."
+
     file: str
     line: int
     title: str
@@ -215,11 +267,14 @@ class SeedChapter:
         m = re.match(r"^(.*?)\s*\((.+)\)\s*$", self.title)
         return [m.group(1), m.group(2)] if m and m.group(1) else [self.title]
 
+
 def find_seeds(repo: Path) -> Path | None:
     "The seed-notes folder: `$MINIVLLM_SEEDS`, else `../shared/seeds` beside the repo; None if neither exists."
     for p in [os.environ.get("MINIVLLM_SEEDS"), Path(repo).resolve().parent / "shared" / "seeds"]:
-        if p and Path(p, MAIN_SEED).exists(): return Path(p)
+        if p and Path(p, MAIN_SEED).exists():
+            return Path(p)
     return None
+
 
 def parse_seed_index(readme: str) -> list[SeedChapter]:
     "Seed chapters from the seeds' README: `## <file>.txt — ...` headings and `| line | chapter | ... |` rows."
@@ -229,33 +284,49 @@ def parse_seed_index(readme: str) -> list[SeedChapter]:
             cur = h.group(1)
             out.append(SeedChapter(cur, 1, (h.group(2) or cur).strip()))
         elif cur and (r := re.match(r"^\|\s*(\d+)\s*\|\s*(.+?)\s*\|", line)):
-            if out and out[-1].file == cur and out[-1].line == 1 and not any(c.file == cur and c.line > 1 for c in out):
+            if (
+                out
+                and out[-1].file == cur
+                and out[-1].line == 1
+                and not any(c.file == cur and c.line > 1 for c in out)
+            ):
                 out.pop()  # a file with a table: its rows replace the heading entry
             out.append(SeedChapter(cur, int(r.group(1)), r.group(2)))
     return out
 
+
 def _containing(chapters: list[SeedChapter], file: str, line: int) -> SeedChapter | None:
     return max((c for c in chapters if c.file == file and c.line <= line), key=lambda c: c.line, default=None)
+
 
 def seed_refs(chapter_text: str, title: str, chapters: list[SeedChapter]) -> list[tuple[SeedChapter, int]]:
     "The (seed chapter, line) pairs a notebook cites, in order of first mention."
     refs: list[tuple[SeedChapter, int]] = []
+
     def add(ch, line):
-        if ch and all(c != ch for c, _ in refs): refs.append((ch, line))
+        if ch and all(c != ch for c, _ in refs):
+            refs.append((ch, line))
+
     for para in re.split(r"\n\s*\n", chapter_text):
         m = re.search(r"\bseeds\b|\bseed (?:chapter|notes?)\b", para, re.I)
-        if not m: continue
-        tail = para[m.start():]
+        if not m:
+            continue
+        tail = para[m.start() :]
         for tok in re.finditer(r"\blines? (\d+)|[\"“「](.+?)[\"”」]", tail):
-            if tok.group(1): add(_containing(chapters, MAIN_SEED, int(tok.group(1))), int(tok.group(1)))
+            if tok.group(1):
+                add(_containing(chapters, MAIN_SEED, int(tok.group(1))), int(tok.group(1)))
             else:
                 q = tok.group(2).strip().lower()
-                ch = next((c for c in chapters if q in [n.lower() for n in c.names] or q == c.title.lower()), None)
+                ch = next(
+                    (c for c in chapters if q in [n.lower() for n in c.names] or q == c.title.lower()), None
+                )
                 add(ch, ch.line if ch else 0)
     if not refs:
         for c in chapters:
-            if any(re.search(rf"(?<![\w]){re.escape(n)}(?![\w])", title) for n in c.names): add(c, c.line)
+            if any(re.search(rf"(?<![\w]){re.escape(n)}(?![\w])", title) for n in c.names):
+                add(c, c.line)
     return refs
+
 
 def seed_link_html(refs: list[tuple[SeedChapter, int]], have_texts: bool) -> str:
     "The one-line HTML block under a chapter's title that links (or, without the texts, names) its seed chapters."
@@ -265,14 +336,26 @@ def seed_link_html(refs: list[tuple[SeedChapter, int]], have_texts: bool) -> str
     for ch, line in refs:
         label = html.escape(ch.title)
         where = f"{ch.file}, line {line}"
-        parts.append(f'<a href="seeds/{Path(ch.file).stem}.html#L{line}" title="{where}">{label}</a>' if have_texts
-                     else f'{label} <span class="seed-missing">({where}; seed texts not available at build time)</span>')
-    return '<p class="seed-link">Implements seed chapter' + ("s" if len(parts) > 1 else "") + ": " + " · ".join(parts) + "</p>"
+        parts.append(
+            f'<a href="seeds/{Path(ch.file).stem}.html#L{line}" title="{where}">{label}</a>'
+            if have_texts
+            else f'{label} <span class="seed-missing">({where}; seed texts not available at build time)</span>'
+        )
+    return (
+        '<p class="seed-link">Implements seed chapter'
+        + ("s" if len(parts) > 1 else "")
+        + ": "
+        + " · ".join(parts)
+        + "</p>"
+    )
+
 
 def seed_text_page(name: str, text: str) -> str:
-    "A standalone HTML page of one seed text, one `id=\"L<n>\"` anchor per line, linking back to the site."
-    rows = "".join(f'<span class="l" id="L{i}"><a href="#L{i}">{i}</a>{html.escape(l) or " "}</span>'
-                     for i, l in enumerate(text.splitlines(), 1))
+    'A standalone HTML page of one seed text, one `id="L<n>"` anchor per line, linking back to the site.'
+    rows = "".join(
+        f'<span class="l" id="L{i}"><a href="#L{i}">{i}</a>{html.escape(l) or " "}</span>'
+        for i, l in enumerate(text.splitlines(), 1)
+    )
     return f"""<!doctype html>
 <html lang="ja"><head><meta charset="utf-8"><title>{html.escape(name)} · minivllm seed notes</title>
 <style>body{{font:14px/1.45 ui-monospace,monospace;margin:0;background:#fff;color:#222}}
@@ -287,22 +370,28 @@ pre{{margin:0;padding:.5em 0;white-space:pre-wrap}} .l{{display:block;padding-le
 # %% ../nbs/95_docs_site.ipynb #d11da3cd
 KEY_NAMES = ["LLM", "SamplingParams", "BlockPool", "KVCacheManager", "Scheduler", "EngineCore"]
 
+
 @dataclass
 class ApiEntry:
     "One public name of a module: kind ('class', 'function' or 'value'), signature line, docstring, methods."
+
     name: str
     kind: str
     signature: str
     doc: str
     members: list["ApiEntry"] = field(default_factory=list)
 
+
 def _args(fn: ast.FunctionDef | ast.AsyncFunctionDef, drop_self: bool) -> str:
     a = copy.copy(fn.args)
     if drop_self:  # self/cls never has a default, so dropping it keeps defaults aligned
-        if a.posonlyargs: a.posonlyargs = a.posonlyargs[1:]
-        elif a.args: a.args = a.args[1:]
+        if a.posonlyargs:
+            a.posonlyargs = a.posonlyargs[1:]
+        elif a.args:
+            a.args = a.args[1:]
     ret = f" -> {ast.unparse(fn.returns)}" if fn.returns else ""
     return f"({ast.unparse(a)}){ret}"
+
 
 def _entry(node: ast.AST, name: str) -> ApiEntry | None:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -311,13 +400,23 @@ def _entry(node: ast.AST, name: str) -> ApiEntry | None:
     if isinstance(node, ast.ClassDef):
         bases = ", ".join(ast.unparse(b) for b in node.bases + node.keywords)
         init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-        fields = [f"{ast.unparse(n.target)}: {ast.unparse(n.annotation)}" for n in node.body
-                  if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and not n.target.id.startswith("_")]
+        fields = [
+            f"{ast.unparse(n.target)}: {ast.unparse(n.annotation)}"
+            for n in node.body
+            if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name)
+            and not n.target.id.startswith("_")
+        ]
         sig = f"class {name}" + (f"({bases})" if bases else "")
-        if init: sig += f"\n    __init__{_args(init, True)}"
-        elif fields: sig += "".join(f"\n    {f}" for f in fields)
-        members = [ApiEntry(n.name, "function", f"{n.name}{_args(n, not _is_static(n))}", ast.get_docstring(n) or "")
-                   for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
+        if init:
+            sig += f"\n    __init__{_args(init, True)}"
+        elif fields:
+            sig += "".join(f"\n    {f}" for f in fields)
+        members = [
+            ApiEntry(n.name, "function", f"{n.name}{_args(n, not _is_static(n))}", ast.get_docstring(n) or "")
+            for n in node.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")
+        ]
         return ApiEntry(name, "class", sig, ast.get_docstring(node) or "", members)
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         val = ast.unparse(node.value) if node.value is not None else ""
@@ -325,27 +424,45 @@ def _entry(node: ast.AST, name: str) -> ApiEntry | None:
         return ApiEntry(name, "value", f"{name}{ann} = {val[:120] + ('...' if len(val) > 120 else '')}", "")
     return None
 
+
 def _is_static(fn) -> bool:
     return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+
 
 def module_api(source: str) -> list[ApiEntry] | None:
     "The documented names of a module's source, in `__all__` order; None when it has no literal `__all__`."
     tree = ast.parse(source)
     names, defs = None, {}
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         for t in targets:
             if isinstance(t, ast.Name):
                 if t.id == "__all__":
-                    try: names = list(ast.literal_eval(node.value))
-                    except ValueError: pass
-                else: defs[t.id] = node
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): defs[node.name] = node
-    if names is None: return None
+                    try:
+                        names = list(ast.literal_eval(node.value))
+                    except ValueError:
+                        pass
+                else:
+                    defs[t.id] = node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+    if names is None:
+        return None
     return [_entry(defs[n], n) if n in defs else ApiEntry(n, "value", n, "(re-exported)") for n in names]
 
-def api_markdown(lib_path: Path, chapters: list[Chapter], lib_name: str = "minivllm",
-                 sub_packages: dict[str, Path] | None = None) -> str:
+
+def api_markdown(
+    lib_path: Path,
+    chapters: list[Chapter],
+    lib_name: str = "minivllm",
+    sub_packages: dict[str, Path] | None = None,
+) -> str:
     """The MyST source of the API page for the package at `lib_path` (and each `sub_packages` name -> folder,
     e.g. `{"kernels": repo/"kernels"}`), modules in chapter order."""
     by_module = {c.module: c for c in chapters if c.module}
@@ -354,18 +471,29 @@ def api_markdown(lib_path: Path, chapters: list[Chapter], lib_name: str = "miniv
     roots = [(Path(lib_path), "")] + [(Path(d), f"{name}.") for name, d in (sub_packages or {}).items()]
     for root, prefix in roots:
         for p in sorted(root.rglob("*.py")):
-            if p.name == "_modidx.py" or "__pycache__" in p.parts: continue
+            if p.name == "_modidx.py" or "__pycache__" in p.parts:
+                continue
             rel = p.relative_to(root).with_suffix("")
             mod = prefix + ".".join(rel.parts)  # nbdev's default_exp for foo/__init__.py is 'foo.__init__'
-            try: entries = module_api(p.read_text(encoding="utf-8"))
-            except SyntaxError: entries = None
-            if entries: mods.append((mod, entries))
+            try:
+                entries = module_api(p.read_text(encoding="utf-8"))
+            except SyntaxError:
+                entries = None
+            if entries:
+                mods.append((mod, entries))
     order = {c.module: i for i, c in enumerate(chapters) if c.module}
     mods.sort(key=lambda m: (order.get(m[0], len(order)), m[0]))
-    def label(mod, name): return f"api-{mod}-{name}".replace(".", "-").replace("_", "-").lower()
-    lines = ["# API reference", "",
-             f"Every public name (each module's `__all__`) of the `{lib_name}` package, with its signature and "
-             "docstring, grouped by module in reading order. Each module links to the chapter that builds it.", ""]
+
+    def label(mod, name):
+        return f"api-{mod}-{name}".replace(".", "-").replace("_", "-").lower()
+
+    lines = [
+        "# API reference",
+        "",
+        f"Every public name (each module's `__all__`) of the `{lib_name}` package, with its signature and "
+        "docstring, grouped by module in reading order. Each module links to the chapter that builds it.",
+        "",
+    ]
     key = [(n, mod) for n in KEY_NAMES for mod, es in mods if any(e.name == n for e in es)]
     seen = set()
     key = [(n, m) for n, m in key if not (n in seen or seen.add(n))]
@@ -373,16 +501,24 @@ def api_markdown(lib_path: Path, chapters: list[Chapter], lib_name: str = "miniv
         lines += ["**Start here:** " + " · ".join(f"{{ref}}`{n} <{label(m, n)}>`" for n, m in key), ""]
     for mod, entries in mods:
         top = mod.split(".")[0]
-        dotted = mod.removesuffix('.__init__') if top in (sub_packages or {}) else f"{lib_name}.{mod.removesuffix('.__init__')}"
+        dotted = (
+            mod.removesuffix(".__init__")
+            if top in (sub_packages or {})
+            else f"{lib_name}.{mod.removesuffix('.__init__')}"
+        )
         lines += [f"## `{dotted}`", ""]
-        if (ch := by_module.get(mod)): lines += [f"Chapter: [{ch.title}]({ch.stem}.ipynb)", ""]
+        if ch := by_module.get(mod):
+            lines += [f"Chapter: [{ch.title}]({ch.stem}.ipynb)", ""]
         for e in entries:
             lines += [f"({label(mod, e.name)})=", f"### `{e.name}`", "", "```python", e.signature, "```", ""]
-            if e.doc: lines += [e.doc, ""]
+            if e.doc:
+                lines += [e.doc, ""]
             for m in e.members:
                 lines += [f"- `{m.signature.replace('`', '')}`" + (f": {_one_para(m.doc)}" if m.doc else "")]
-            if e.members: lines.append("")
+            if e.members:
+                lines.append("")
     return "\n".join(lines) + "\n"
+
 
 def _one_para(doc: str) -> str:
     return " ".join(doc.split("\n\n")[0].split())
@@ -451,32 +587,67 @@ flowchart LR
     S -->|EngineCoreOutputs| OP
 ```""")
 
+
 def index_markdown(readme: str, chapters: list[Chapter], have_seeds: bool) -> str:
     "The home page: the README, a map of the request path, one toctree per sidebar section, the reference pages."
     parts = [readme.rstrip(), "", "## Chapters", "", ARCHITECTURE_MERMAID, ""]
     for key, caption in SECTIONS.items():
         stems = [c.stem for c in chapters if c.section == key]
-        if stems: parts += ["```{toctree}", f":caption: {caption}", ":maxdepth: 1", ":titlesonly:", "", *stems, "```", ""]
-    parts += ["```{toctree}", ":caption: Reference", ":maxdepth: 1", ":titlesonly:", "", "api", "seed_notes", "```", ""]
+        if stems:
+            parts += [
+                "```{toctree}",
+                f":caption: {caption}",
+                ":maxdepth: 1",
+                ":titlesonly:",
+                "",
+                *stems,
+                "```",
+                "",
+            ]
+    parts += [
+        "```{toctree}",
+        ":caption: Reference",
+        ":maxdepth: 1",
+        ":titlesonly:",
+        "",
+        "api",
+        "seed_notes",
+        "```",
+        "",
+    ]
     return "\n".join(parts)
 
-def seed_notes_markdown(seed_chapters: list[SeedChapter], cited: dict[SeedChapter, list[Chapter]],
-                        seeds_dir: Path | None) -> str:
+
+def seed_notes_markdown(
+    seed_chapters: list[SeedChapter], cited: dict[SeedChapter, list[Chapter]], seeds_dir: Path | None
+) -> str:
     "The seed-notes page: every seed chapter, linked to its text when present, with the chapters citing it."
-    lines = ["# Seed notes", "",
-             "minivllm implements what these code-reading notes on vLLM v1 describe (in Japanese; the "
-             "chapter titles carry an English gloss). Each row links to the chapter's first line in the "
-             "copied text and lists the minivllm chapters that cite it.", ""]
+    lines = [
+        "# Seed notes",
+        "",
+        "minivllm implements what these code-reading notes on vLLM v1 describe (in Japanese; the "
+        "chapter titles carry an English gloss). Each row links to the chapter's first line in the "
+        "copied text and lists the minivllm chapters that cite it.",
+        "",
+    ]
     if seeds_dir is None:
-        lines += ["```{note}", "The seed texts were not found when this site was built (looked for "
-                  "`$MINIVLLM_SEEDS` and `../shared/seeds` beside the repo), so nothing below is linked.", "```", ""]
+        lines += [
+            "```{note}",
+            "The seed texts were not found when this site was built (looked for "
+            "`$MINIVLLM_SEEDS` and `../shared/seeds` beside the repo), so nothing below is linked.",
+            "```",
+            "",
+        ]
     lines += ["| seed chapter | file, line | minivllm chapters |", "|---|---|---|"]
     for sc in seed_chapters:
         t = sc.title.replace("|", "\\|")
-        name = (f'<a href="seeds/{Path(sc.file).stem}.html#L{sc.line}">{html.escape(t)}</a>' if seeds_dir else t)
+        name = (
+            f'<a href="seeds/{Path(sc.file).stem}.html#L{sc.line}">{html.escape(t)}</a>' if seeds_dir else t
+        )
         users = ", ".join(f"[{c.stem}]({c.stem}.ipynb)" for c in cited.get(sc, []))
         lines.append(f"| {name} | {sc.file}:{sc.line} | {users} |")
     return "\n".join(lines) + "\n"
+
 
 def stage_site(repo: Path, src: Path, seeds_dir: Path | None) -> list[Chapter]:
     "Write the Sphinx source tree for the site into `src`; return the chapters it holds."
@@ -485,34 +656,48 @@ def stage_site(repo: Path, src: Path, seeds_dir: Path | None) -> list[Chapter]:
     if seeds_dir and (seeds_dir / "README.md").exists():
         seed_chapters = parse_seed_index((seeds_dir / "README.md").read_text(encoding="utf-8"))
     elif (repo.parent / "shared" / "seeds" / "README.md").exists():
-        seed_chapters = parse_seed_index((repo.parent / "shared" / "seeds" / "README.md").read_text(encoding="utf-8"))
+        seed_chapters = parse_seed_index(
+            (repo.parent / "shared" / "seeds" / "README.md").read_text(encoding="utf-8")
+        )
     (src / "_static").mkdir(parents=True)
     (src / "_extra").mkdir()
     cited: dict[SeedChapter, list[Chapter]] = {}
     for ch in chapters:
         refs = seed_refs(ch.text, ch.title, seed_chapters)
-        for sc, _ in refs: cited.setdefault(sc, []).append(ch)
+        for sc, _ in refs:
+            cited.setdefault(sc, []).append(ch)
         nb = json.loads(ch.path.read_text(encoding="utf-8"))
-        (src / f"{ch.stem}.ipynb").write_text(json.dumps(clean_notebook(nb, ch.title, seed_link_html(refs, seeds_dir is not None)),
-                                                   ensure_ascii=False), encoding="utf-8")
-    readme = (repo / "README.md").read_text(encoding="utf-8") if (repo / "README.md").exists() else "# minivllm\n"
+        (src / f"{ch.stem}.ipynb").write_text(
+            json.dumps(
+                clean_notebook(nb, ch.title, seed_link_html(refs, seeds_dir is not None)), ensure_ascii=False
+            ),
+            encoding="utf-8",
+        )
+    readme = (
+        (repo / "README.md").read_text(encoding="utf-8") if (repo / "README.md").exists() else "# minivllm\n"
+    )
     (src / "index.md").write_text(index_markdown(readme, chapters, seeds_dir is not None), encoding="utf-8")
     subs = {name: repo / name for name in SUB_PACKAGES if (repo / name).is_dir()}
-    (src / "api.md").write_text(api_markdown(repo / "minivllm", chapters, sub_packages=subs), encoding="utf-8")
+    (src / "api.md").write_text(
+        api_markdown(repo / "minivllm", chapters, sub_packages=subs), encoding="utf-8"
+    )
     (src / "seed_notes.md").write_text(seed_notes_markdown(seed_chapters, cited, seeds_dir), encoding="utf-8")
     if seeds_dir:
         (src / "_extra" / "seeds").mkdir()
         for p in sorted(seeds_dir.glob("*.txt")):
             (src / "_extra" / "seeds" / f"{p.stem}.html").write_text(
-                seed_text_page(p.name, p.read_text(encoding="utf-8", errors="replace")), encoding="utf-8")
+                seed_text_page(p.name, p.read_text(encoding="utf-8", errors="replace")), encoding="utf-8"
+            )
     shutil.copy(repo / "docs" / "assets" / "mermaid.min.js", src / "_static" / "mermaid.min.js")
     (src / "_static" / "mermaid-init.js").write_text(MERMAID_INIT_JS, encoding="utf-8")
     (src / "_static" / "minivllm.css").write_text(SITE_CSS, encoding="utf-8")
     (src / "conf.py").write_text(CONF_PY, encoding="utf-8")
     return chapters
 
-def build_site(repo: Path | None = None, out: Path | None = None, seeds: Path | None | bool = True,
-               quiet: bool = True) -> Path:
+
+def build_site(
+    repo: Path | None = None, out: Path | None = None, seeds: Path | None | bool = True, quiet: bool = True
+) -> Path:
     """Build the static site from `repo`/nbs into `out` (default `repo/_docs`, replaced) and return `out`.
 
     `seeds`: a folder of seed texts, True to look for them (`find_seeds`), False for none. Runs
@@ -524,26 +709,61 @@ def build_site(repo: Path | None = None, out: Path | None = None, seeds: Path | 
     with tempfile.TemporaryDirectory(prefix="minivllm-docs-") as tmp:
         src = Path(tmp) / "src"
         chapters = stage_site(repo, src, seeds_dir)
-        if out.exists(): shutil.rmtree(out)
-        cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-d", str(Path(tmp) / "doctrees"), "-w",
-               str(Path(tmp) / "_warnings.txt"), *(["-q"] if quiet else []), str(src), str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if out.exists():
+            shutil.rmtree(out)
+        cmd = [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-b",
+            "html",
+            "-d",
+            str(Path(tmp) / "doctrees"),
+            "-w",
+            str(Path(tmp) / "_warnings.txt"),
+            *(["-q"] if quiet else []),
+            str(src),
+            str(out),
+        ]
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+        )
         if r.returncode != 0:
-            raise RuntimeError(f"sphinx-build failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+            raise RuntimeError(
+                f"sphinx-build failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+            )
         warnings = (Path(tmp) / "_warnings.txt").read_text(errors="replace")
         # what this build contained (other notebooks may appear while it runs): for tests and tools
-        (out / "chapters.json").write_text(json.dumps(
-            [{"stem": c.stem, "file": c.path.name, "title": c.title, "module": c.module, "section": c.section}
-             for c in chapters], ensure_ascii=False, indent=1), encoding="utf-8")
+        (out / "chapters.json").write_text(
+            json.dumps(
+                [
+                    {
+                        "stem": c.stem,
+                        "file": c.path.name,
+                        "title": c.title,
+                        "module": c.module,
+                        "section": c.section,
+                    }
+                    for c in chapters
+                ],
+                ensure_ascii=False,
+                indent=1,
+            ),
+            encoding="utf-8",
+        )
         (out / ".buildinfo").unlink(missing_ok=True)
-    if warnings.strip() and not quiet: print(warnings)
+    if warnings.strip() and not quiet:
+        print(warnings)
     return out
+
 
 def main(argv: list[str] | None = None) -> int:
     "`python -m minivllm.docs_build [--out DIR] [--seeds DIR | --no-seeds] [-v]`: build the site (what `make docs` runs)."
     ap = argparse.ArgumentParser(prog="python -m minivllm.docs_build", description=main.__doc__)
     ap.add_argument("--out", type=Path, help="output folder (default: _docs in the repo)")
-    ap.add_argument("--seeds", type=Path, help="folder of the seed texts (default: $MINIVLLM_SEEDS or ../shared/seeds)")
+    ap.add_argument(
+        "--seeds", type=Path, help="folder of the seed texts (default: $MINIVLLM_SEEDS or ../shared/seeds)"
+    )
     ap.add_argument("--no-seeds", action="store_true", help="build without copying the seed texts")
     ap.add_argument("-v", "--verbose", action="store_true", help="print Sphinx's progress and warnings")
     a = ap.parse_args(argv)
@@ -555,4 +775,5 @@ def main(argv: list[str] | None = None) -> int:
 # %% ../nbs/95_docs_site.ipynb #b6a9e22f
 #| eval: false
 # `python -m minivllm.docs_build`; the argv check keeps a notebook kernel (also `__main__`) from running it
-if __name__ == "__main__" and Path(sys.argv[0]).stem == "docs_build": sys.exit(main())
+if __name__ == "__main__" and Path(sys.argv[0]).stem == "docs_build":
+    sys.exit(main())

@@ -23,31 +23,48 @@ class ForwardContext:
     `slot_mapping`: layer name -> (num_tokens,) int64 slot tensor; `cudagraph_runtime_mode`: how this pass runs
     (NONE eager, FULL or PIECEWISE replay of the graph keyed by `batch_descriptor`; chapter "CUDA graph wrapper").
     Source: vLLM forward_context.py `ForwardContext`."""
+
     attn_metadata: dict[str, Any] | None
     slot_mapping: dict[str, Any] = field(default_factory=dict)
     virtual_engine: int = 0
     batch_descriptor: Any = None
     cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
 
+
 _forward_context: ForwardContext | None = None
+
 
 def get_forward_context() -> ForwardContext:
     "The current context; raises `RuntimeError` outside `set_forward_context`."
     if _forward_context is None:
-        raise RuntimeError("get_forward_context() called outside set_forward_context(); attention layers "
-                           "must run inside the model runner's forward pass.")
+        raise RuntimeError(
+            "get_forward_context() called outside set_forward_context(); attention layers "
+            "must run inside the model runner's forward pass."
+        )
     return _forward_context
 
-def is_forward_context_available() -> bool: return _forward_context is not None
+
+def is_forward_context_available() -> bool:
+    return _forward_context is not None
+
 
 @contextmanager
-def set_forward_context(attn_metadata: dict[str, Any] | None, vllm_config: Any = None, *,
-                        slot_mapping: dict[str, Any] | None = None, virtual_engine: int = 0, batch_descriptor: Any = None,
-                        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE):
+def set_forward_context(
+    attn_metadata: dict[str, Any] | None,
+    vllm_config: Any = None,
+    *,
+    slot_mapping: dict[str, Any] | None = None,
+    virtual_engine: int = 0,
+    batch_descriptor: Any = None,
+    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+):
     "Publish the per-layer metadata for the duration of one forward pass (restores the previous one after)."
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, slot_mapping or {}, virtual_engine, batch_descriptor,
-                                      cudagraph_runtime_mode)
-    try: yield _forward_context
-    finally: _forward_context = prev
+    _forward_context = ForwardContext(
+        attn_metadata, slot_mapping or {}, virtual_engine, batch_descriptor, cudagraph_runtime_mode
+    )
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = prev

@@ -14,20 +14,24 @@ __all__ = ['SampleLogprobs', 'PromptLogprobs', 'Logprob', 'CompletionOutput', 'R
 @dataclass
 class Logprob:
     """Log probability of one token. `rank` is 1 for the most likely token. Source: vLLM logprobs.py `Logprob`."""
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
 
 # `SampleLogprobs`: one dict per generated token, token id -> Logprob (the sampled one plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 # `PromptLogprobs`: the same for prompt tokens; the first entry is None (nothing precedes token 0).
 PromptLogprobs = list[dict[int, Logprob] | None]
 
+
 @dataclass
 class CompletionOutput:
     """One sample of a request. `finish_reason` is "stop", "length", "abort" or None while running;
     `stop_reason` is the stop string or token id that ended it (None for EOS / length).
     Source: vLLM outputs.py `CompletionOutput`."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -36,7 +40,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def finished(self) -> bool: return self.finish_reason is not None
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:
@@ -45,6 +51,7 @@ class RequestMetrics:
     meaningful even when the engine core runs in another process. `first_scheduled_time` and `time_in_queue`
     (first SCHEDULED minus QUEUED) stay None when the engine core does not log stats (the offline `LLM`'s
     default). Source: vLLM sequence.py `RequestMetrics`."""
+
     arrival_time: float = 0.0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -53,11 +60,13 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     time_in_queue: float | None = None
 
+
 @dataclass
 class RequestOutput:
     """The result of one request as the user sees it. Source: vLLM outputs.py `RequestOutput`.
 
     `outputs` has one `CompletionOutput` per sample; `num_cached_tokens` is the prefix-cache hit."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -16,8 +16,14 @@ __all__ = ['TINY_TEXT', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'make_common_attn_met
            'make_tiny_checkpoint', 'PagedModelHarness']
 
 # %% ../nbs/38_testing.ipynb #1cc4867d
-def make_common_attn_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                              block_size: int, device: str | torch.device = "cpu", pad_tokens: int = 0) -> CommonAttentionMetadata:
+def make_common_attn_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: str | torch.device = "cpu",
+    pad_tokens: int = 0,
+) -> CommonAttentionMetadata:
     """One step's `CommonAttentionMetadata` for requests scheduled `query_lens[i]` new tokens each, ending at
     `seq_lens[i]` tokens (so `seq_lens[i] - query_lens[i]` are already cached), with KV blocks `block_tables[i]`.
 
@@ -25,21 +31,32 @@ def make_common_attn_metadata(query_lens: list[int], seq_lens: list[int], block_
     Raises `ValueError` if a block table is too short for its sequence."""
     num_reqs = len(query_lens)
     for i, (s, bt) in enumerate(zip(seq_lens, block_tables)):
-        if len(bt) * block_size < s: raise ValueError(f"request {i}: {len(bt)} blocks cannot hold {s} tokens")
+        if len(bt) * block_size < s:
+            raise ValueError(f"request {i}: {len(bt)} blocks cannot hold {s} tokens")
     qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     width = max(1, max(len(b) for b in block_tables))
-    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32).view(num_reqs, width)
+    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32).view(
+        num_reqs, width
+    )
     slots = []
     for i in range(num_reqs):
         for p in range(seq_lens[i] - query_lens[i], seq_lens[i]):
             slots.append(block_tables[i][p // block_size] * block_size + p % block_size)
     slots += [-1] * pad_tokens
     return CommonAttentionMetadata(
-        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device), seq_lens_cpu=seq,
-        num_computed_tokens_cpu=seq - torch.tensor(query_lens, dtype=torch.int32), num_reqs=num_reqs,
-        num_actual_tokens=int(sum(query_lens)), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        block_table_tensor=bt.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.to(device),
+        seq_lens_cpu=seq,
+        num_computed_tokens_cpu=seq - torch.tensor(query_lens, dtype=torch.int32),
+        num_reqs=num_reqs,
+        num_actual_tokens=int(sum(query_lens)),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=bt.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+    )
 
 # %% ../nbs/38_testing.ipynb #3dba6add
 TINY_TEXT = """\
@@ -54,32 +71,64 @@ miles begins with a single step. Large language models generate text one token a
 token attends to every token before it, which is why the key-value cache exists at all.
 """
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                 "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 def make_tiny_tokenizer(vocab_size: int = 512):
     """A byte-level BPE `tokenizers.Tokenizer` trained deterministically on `TINY_TEXT` (at most `vocab_size` ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([TINY_TEXT] * 4, trainer)
     return tok
 
 # %% ../nbs/38_testing.ipynb #f4fb9c81
-_TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_TINY_ARCH = {"llama": ("LlamaConfig", {}),
-              "qwen2": ("Qwen2Config", {}),
-              "qwen3": ("Qwen3Config", {"head_dim": 32}),  # explicit head_dim != hidden / heads
-              # Gemma 3 text: layer 0 slides (window 8), layer 1 is global; scalar != head_dim; two RoPEs; soft cap; tied
-              "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
-                                              "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-                                              "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-                                              "final_logit_softcapping": 5.0, "tie_word_embeddings": True})}
+_TINY_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_TINY_ARCH = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # explicit head_dim != hidden / heads
+    # Gemma 3 text: layer 0 slides (window 8), layer 1 is global; scalar != head_dim; two RoPEs; soft cap; tied
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+
 
 def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **config_overrides) -> str:
     """Write a tiny random-weight Hugging Face checkpoint of `arch` ("llama", "qwen2", "qwen3", "gemma3") into folder `path`.
@@ -89,21 +138,34 @@ def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **config_ov
     a fast byte-level BPE tokenizer with a ChatML template, generation_config.json. Same seed, same bytes.
     Returns the folder as a string. Raises `ValueError` for an unknown arch."""
     import transformers
-    if arch not in _TINY_ARCH: raise ValueError(f"arch must be one of {sorted(_TINY_ARCH)}; got {arch!r}")
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+
+    if arch not in _TINY_ARCH:
+        raise ValueError(f"arch must be one of {sorted(_TINY_ARCH)}; got {arch!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     tok = make_tiny_tokenizer()
     cfg_name, extra = _TINY_ARCH[arch]
-    config = getattr(transformers, cfg_name)(**{**_TINY_BASE, "vocab_size": tok.get_vocab_size(), **extra, **config_overrides})
+    config = getattr(transformers, cfg_name)(
+        **{**_TINY_BASE, "vocab_size": tok.get_vocab_size(), **extra, **config_overrides}
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "norm" in name: p.copy_(1 + 0.2 * torch.randn_like(p))
-                elif name.endswith("bias"): p.copy_(0.1 * torch.randn_like(p))
+                if "norm" in name:
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+                elif name.endswith("bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                                unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
     fast.save_pretrained(path)
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
     return str(path)
@@ -116,11 +178,23 @@ class PagedModelHarness:
     returns (num_reqs, vocab) float32 logits at each request's last new token, in dict order. Blocks are
     `block_size` tokens, `num_blocks` per layer, handed out in a seeded shuffled order. Raises `RuntimeError`
     when blocks run out."""
-    def __init__(self, model: torch.nn.Module, block_size: int = 16, num_blocks: int = 64,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0):
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_size: int = 16,
+        num_blocks: int = 64,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ):
         self.model, self.block_size, self.device = model, block_size, torch.device(device)
         dtype = dtype or next(model.parameters()).dtype
-        self.layers = {m.layer_name: m for m in model.modules() if hasattr(m, "layer_name") and hasattr(m, "get_kv_cache_spec")}
+        self.layers = {
+            m.layer_name: m
+            for m in model.modules()
+            if hasattr(m, "layer_name") and hasattr(m, "get_kv_cache_spec")
+        }
         groups: dict = {}
         for name, layer in self.layers.items():
             groups.setdefault(layer.get_kv_cache_spec(block_size, dtype), []).append(name)
@@ -137,6 +211,7 @@ class PagedModelHarness:
 
     def step(self, scheduled: dict[str, list[int]]) -> torch.Tensor:
         from minivllm.forward_context import set_forward_context
+
         query_lens, seq_lens, ids, positions = [], [], [], []
         for req_id, new in scheduled.items():
             toks = self.tokens.setdefault(req_id, [])
@@ -144,18 +219,24 @@ class PagedModelHarness:
             toks.extend(new)
             table = self.block_tables.setdefault(req_id, [])
             while len(table) * self.block_size < len(toks):
-                if not self.free_blocks: raise RuntimeError("PagedModelHarness: out of KV cache blocks")
+                if not self.free_blocks:
+                    raise RuntimeError("PagedModelHarness: out of KV cache blocks")
                 table.append(self.free_blocks.pop())
-            query_lens.append(len(new)); seq_lens.append(len(toks))
-            ids += new; positions += range(ctx, len(toks))
-        cm = make_common_attn_metadata(query_lens, seq_lens, [self.block_tables[r] for r in scheduled],
-                                       self.block_size, self.device)
+            query_lens.append(len(new))
+            seq_lens.append(len(toks))
+            ids += new
+            positions += range(ctx, len(toks))
+        cm = make_common_attn_metadata(
+            query_lens, seq_lens, [self.block_tables[r] for r in scheduled], self.block_size, self.device
+        )
         attn_metadata = {}
         for names, builder in self.builders:
             md = builder.build(0, cm)
             attn_metadata.update({n: md for n in names})
         with torch.no_grad(), set_forward_context(attn_metadata):
-            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device))
+            hidden = self.model(
+                torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+            )
             last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
             return self.model.compute_logits(hidden[last])
 

@@ -29,40 +29,66 @@ class Attention(nn.Module):
     the T tokens, cache untouched). `self.kv_cache` is an empty tensor until the model runner binds
     (2, num_blocks, block_size, num_kv_heads, head_size). Raises `RuntimeError` outside a forward context
     and `KeyError` if the metadata has no entry for this layer. Source: vLLM attention/layer.py `Attention`."""
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None, prefix: str = "",
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, attn_backend: type | None = None):
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        attn_backend: type | None = None,
+    ):
         super().__init__()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.layer_name, self.sliding_window, self.logits_soft_cap = prefix, sliding_window, logits_soft_cap
         self.attn_backend = attn_backend or get_attn_backend(head_size)
-        self.impl = self.attn_backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
-                                                     sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        self.impl = self.attn_backend.get_impl_cls()(
+            num_heads,
+            head_size,
+            scale,
+            self.num_kv_heads,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
         self.kv_cache: torch.Tensor = torch.tensor([])  # bound by the model runner
 
-    def get_attn_backend(self) -> type: return self.attn_backend
+    def get_attn_backend(self) -> type:
+        return self.attn_backend
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> AttentionSpec:
         "What one block of this layer's cache holds: `SlidingWindowSpec` if it has a window, else `FullAttentionSpec`."
         if self.sliding_window:
-            return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_size, dtype, sliding_window=self.sliding_window)
+            return SlidingWindowSpec(
+                block_size, self.num_kv_heads, self.head_size, dtype, sliding_window=self.sliding_window
+            )
         return FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is not None:
             if self.layer_name not in attn_metadata:
-                raise KeyError(f"no attention metadata for layer {self.layer_name!r}; the runner published "
-                               f"{len(attn_metadata)} layers, e.g. {list(attn_metadata)[:3]}")
+                raise KeyError(
+                    f"no attention metadata for layer {self.layer_name!r}; the runner published "
+                    f"{len(attn_metadata)} layers, e.g. {list(attn_metadata)[:3]}"
+                )
             attn_metadata = attn_metadata[self.layer_name]
         # empty, not zeros: the backends write every real row, and zero-filling the whole output cost ~2% of a
         # prefill step on the CPU. Only padded rows (CUDA-graph padding past num_actual_tokens) are cleared.
-        output = torch.empty(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device)
+        output = torch.empty(
+            query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device
+        )
         n = getattr(attn_metadata, "num_actual_tokens", query.shape[0])
-        if n < query.shape[0]: output[n:].zero_()
+        if n < query.shape[0]:
+            output[n:].zero_()
         return self.impl.forward(self, query, key, value, self.kv_cache, attn_metadata, output=output)
 
     def extra_repr(self) -> str:
-        return (f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_size={self.head_size}, scale={self.scale:.4g}, sliding_window={self.sliding_window}, "
-                f"backend={self.attn_backend.get_name()}")
+        return (
+            f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, scale={self.scale:.4g}, sliding_window={self.sliding_window}, "
+            f"backend={self.attn_backend.get_name()}"
+        )

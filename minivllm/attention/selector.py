@@ -25,11 +25,16 @@ _ATTENTION_BACKENDS: dict[str, str] = {
 }
 _logged: set[str] = set()
 
-def _triton_available() -> bool: return importlib.util.find_spec("triton") is not None
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
 
 def _cpu_kernel_available() -> bool:
     from kernels.cpu_attention import cpu_attention_available
+
     return cpu_attention_available()
+
 
 def select_attn_backend_name(device: torch.device | str | None = None) -> str:
     """The backend name for `device` (None = `torch.get_default_device()`): env `MINIVLLM_ATTENTION_BACKEND` if
@@ -39,15 +44,24 @@ def select_attn_backend_name(device: torch.device | str | None = None) -> str:
     name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "").strip().upper()
     if name:
         if name not in _ATTENTION_BACKENDS:
-            raise ValueError(f"MINIVLLM_ATTENTION_BACKEND={name!r} is not supported; supported: {sorted(_ATTENTION_BACKENDS)}")
+            raise ValueError(
+                f"MINIVLLM_ATTENTION_BACKEND={name!r} is not supported; supported: {sorted(_ATTENTION_BACKENDS)}"
+            )
         return name
     device = torch.get_default_device() if device is None else torch.device(device)
-    if device.type == "cuda" and _triton_available(): return "TRITON_ATTN"
-    if device.type == "cpu" and _cpu_kernel_available(): return "CPU_ATTN"
+    if device.type == "cuda" and _triton_available():
+        return "TRITON_ATTN"
+    if device.type == "cpu" and _cpu_kernel_available():
+        return "CPU_ATTN"
     return "TORCH_REF"
 
-def get_attn_backend(head_size: int | None = None, dtype: torch.dtype | None = None, block_size: int | None = None,
-                     device: torch.device | str | None = None) -> type:
+
+def get_attn_backend(
+    head_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+) -> type:
     """The attention backend class for a layer of `head_size`, `dtype`, `block_size` on `device` (see
     `select_attn_backend_name`; every backend accepts any head size and block size, and the dtypes a model runs in). Raises `ValueError`
     for an unknown `MINIVLLM_ATTENTION_BACKEND`. Source: vLLM attention/selector.py `get_attn_backend`."""

@@ -30,6 +30,7 @@ class AttentionSplit:
     piece before; `output`: (N, num_heads*head_size) static tensor read by the piece after. Calling it runs the
     layer on the real rows only: n = the layer's `num_actual_tokens` in the forward context (N without metadata).
     Source: vLLM compilation/backends.py `split_graph` (the splitting op between submodules)."""
+
     layer: nn.Module
     args: tuple
     kwargs: dict
@@ -46,11 +47,13 @@ class AttentionSplit:
         out = self.layer(*map(cut, self.args), **{k: cut(v) for k, v in self.kwargs.items()})
         self.output[:n].copy_(out)
 
+
 @dataclass
 class CUDAGraphEntry:
     """What one `batch_descriptor` captured: `cudagraphs` (torch.cuda.CUDAGraph or a stand-in; FULL: one,
     PIECEWISE: len(splits) + 1), the `splits` run between them, and the static `output` (N, hidden).
     Source: vLLM compilation/cuda_graph.py `CUDAGraphEntry`."""
+
     batch_descriptor: Any
     cudagraphs: list[Any] = field(default_factory=list)
     splits: list[AttentionSplit] = field(default_factory=list)
@@ -60,16 +63,19 @@ class CUDAGraphEntry:
         "Replay graph 0, split 0, graph 1, ...; returns `output` (valid in its first num_actual_tokens rows)."
         for i, graph in enumerate(self.cudagraphs):
             graph.replay()
-            if i < len(self.splits): self.splits[i]()
+            if i < len(self.splits):
+                self.splits[i]()
         return self.output
 
 # %% ../../nbs/46a_cuda_graph.ipynb #c28673ce
 def _capture_stream() -> contextlib.AbstractContextManager:
     "A side CUDA stream for piecewise capture (after the current stream's work), or nothing without CUDA."
-    if not torch.cuda.is_available(): return contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return torch.cuda.stream(stream)
+
 
 class CUDAGraphWrapper:
     """Capture and replay `runnable(*args)` once per `BatchDescriptor` when the forward context's
@@ -80,8 +86,13 @@ class CUDAGraphWrapper:
     `concrete_cudagraph_entries`: BatchDescriptor -> `CUDAGraphEntry`. Raises `ValueError` for another mode.
     Source: vLLM compilation/cuda_graph.py `CUDAGraphWrapper`."""
 
-    def __init__(self, runnable: Callable, runtime_mode: CUDAGraphMode, splitting_layers: list[nn.Module] | None = None,
-                 graph_pool: Any = None):
+    def __init__(
+        self,
+        runnable: Callable,
+        runtime_mode: CUDAGraphMode,
+        splitting_layers: list[nn.Module] | None = None,
+        graph_pool: Any = None,
+    ):
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"runtime_mode must be FULL or PIECEWISE; got {runtime_mode}")
         self.runnable, self.runtime_mode = runnable, runtime_mode
@@ -106,7 +117,8 @@ class CUDAGraphWrapper:
 
     def capture(self, batch_descriptor: Any, args: tuple, kwargs: dict) -> CUDAGraphEntry:
         "Capture one entry (does not replay it: its output is valid after the first `replay`)."
-        if self.graph_pool is None: self.graph_pool = torch.cuda.graph_pool_handle()
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
         entry = CUDAGraphEntry(batch_descriptor)
         if self.runtime_mode == CUDAGraphMode.FULL:
             graph = torch.cuda.CUDAGraph()
@@ -123,26 +135,39 @@ class CUDAGraphWrapper:
         def begin():
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.graph_pool)
-            open_graph.append(graph); entry.cudagraphs.append(graph)
+            open_graph.append(graph)
+            entry.cudagraphs.append(graph)
+
         def end():
             open_graph.pop().capture_end()
-        def pre_hook(layer, a, kw): end()
+
+        def pre_hook(layer, a, kw):
+            end()
+
         def post_hook(layer, a, kw, out):
             entry.splits.append(AttentionSplit(layer, a, kw, out))
             begin()
 
-        handles = [h for layer in self.splitting_layers for h in (
-            layer.register_forward_pre_hook(pre_hook, with_kwargs=True),
-            layer.register_forward_hook(post_hook, with_kwargs=True))]
+        handles = [
+            h
+            for layer in self.splitting_layers
+            for h in (
+                layer.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                layer.register_forward_hook(post_hook, with_kwargs=True),
+            )
+        ]
         try:
             with _capture_stream():
                 begin()
                 entry.output = self.runnable(*args, **kwargs)
                 end()
         finally:
-            while open_graph: end()  # never leave a stream capturing after an error
-            for h in handles: h.remove()
-        if torch.cuda.is_available(): torch.cuda.synchronize()  # the side stream's work is done before replays
+            while open_graph:
+                end()  # never leave a stream capturing after an error
+            for h in handles:
+                h.remove()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the side stream's work is done before replays
 
 # %% ../../nbs/46a_cuda_graph.ipynb #48d073d2
 class _OpRecorder(TorchDispatchMode):
@@ -153,20 +178,27 @@ class _OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
-            raise RuntimeError(f"graph capture: {func} reads a device value on the host, which a CUDA graph cannot replay")
+            raise RuntimeError(
+                f"graph capture: {func} reads a device value on the host, which a CUDA graph cannot replay"
+            )
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         return out
 
+
 def _copy_results(new: Any, out: Any) -> None:
-    if isinstance(out, torch.Tensor): out.copy_(new)
+    if isinstance(out, torch.Tensor):
+        out.copy_(new)
     elif isinstance(out, (tuple, list)):
-        for n, o in zip(new, out): _copy_results(n, o)
+        for n, o in zip(new, out):
+            _copy_results(n, o)
+
 
 class RecordingGraph:
     """CPU stand-in for torch.cuda.CUDAGraph: `capture_begin(pool=None)` / `capture_end()` record the aten ops run
     in between (func, argument tensors, result tensors); `replay()` re-runs them on the same tensors and copies
     fresh results into the captured result tensors. Raises `RuntimeError` for `.item()` during capture."""
+
     def __init__(self):
         self.ops: list = []
         self._recorder: _OpRecorder | None = None
@@ -183,13 +215,18 @@ class RecordingGraph:
     def replay(self) -> None:
         for func, args, kwargs, out in self.ops:
             new = func(*args, **kwargs)
-            if not any(r.alias_info is not None for r in func._schema.returns): _copy_results(new, out)
+            if not any(r.alias_info is not None for r in func._schema.returns):
+                _copy_results(new, out)
+
 
 @contextlib.contextmanager
 def _recording_graph(graph: RecordingGraph, pool: Any = None, **kwargs) -> Iterator[None]:
     graph.capture_begin(pool)
-    try: yield
-    finally: graph.capture_end()
+    try:
+        yield
+    finally:
+        graph.capture_end()
+
 
 @contextlib.contextmanager
 def simulate_cuda_graphs() -> Iterator[None]:
@@ -197,6 +234,8 @@ def simulate_cuda_graphs() -> Iterator[None]:
     saved = {n: getattr(torch.cuda, n) for n in ("CUDAGraph", "graph", "graph_pool_handle", "synchronize")}
     torch.cuda.CUDAGraph, torch.cuda.graph = RecordingGraph, _recording_graph
     torch.cuda.graph_pool_handle, torch.cuda.synchronize = (lambda: None), (lambda *a, **k: None)
-    try: yield
+    try:
+        yield
     finally:
-        for n, f in saved.items(): setattr(torch.cuda, n, f)
+        for n, f in saved.items():
+            setattr(torch.cuda, n, f)

@@ -16,17 +16,21 @@ __all__ = ['EventBatch', 'KVCacheEvent', 'BlockStored', 'BlockRemoved', 'AllBloc
 # %% ../../nbs/16_kv_events.ipynb #4d1b6d48
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     "Events of one engine step: `ts` is time.time() seconds. Source: vLLM distributed/kv_events.py `EventBatch`."
+
     ts: float
     events: list
     data_parallel_rank: int | None = None
 
+
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     "Base of the KV cache events (tagged so a union decodes to the right class). Source: vLLM `KVCacheEvent`."
+
 
 class BlockStored(KVCacheEvent):
     """Blocks newly registered in the prefix cache: their hashes (bytes or int), the hash of the block before the
     first one (None at the start of a request), their `token_ids` (`len(block_hashes) * block_size` ints),
     the LoRA id and the storage medium ("GPU"). Source: vLLM `BlockStored`."""
+
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
     token_ids: list[int]
@@ -34,14 +38,19 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
 
+
 class BlockRemoved(KVCacheEvent):
     "Blocks evicted from the prefix cache. Source: vLLM `BlockRemoved`."
+
     block_hashes: list[bytes | int]
     medium: str | None
+
 
 class AllBlocksCleared(KVCacheEvent):
     "The whole prefix cache was reset. Source: vLLM `AllBlocksCleared`."
 
+
 class KVEventBatch(EventBatch):
     "A step's KV cache events, decodable from msgpack. Source: vLLM `KVEventBatch`."
+
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]

@@ -22,14 +22,18 @@ __all__ = ['logger', 'get_cached_compilation_config', 'current_platform_type', '
 # %% ../../nbs/29f_custom_op.ipynb #45ed1275
 _default_compilation_config: CompilationConfig | None = None
 
+
 def get_cached_compilation_config() -> CompilationConfig:
     """The current config's `compilation_config`, or one shared default when no config is set (custom ops on).
     Source: vLLM config/vllm.py `get_cached_compilation_config`."""
     global _default_compilation_config
     cfg = get_current_vllm_config()
-    if cfg is not None: return cfg.compilation_config
-    if _default_compilation_config is None: _default_compilation_config = CompilationConfig()
+    if cfg is not None:
+        return cfg.compilation_config
+    if _default_compilation_config is None:
+        _default_compilation_config = CompilationConfig()
     return _default_compilation_config
+
 
 def current_platform_type() -> str:
     "'cpu' or 'cuda': the current config's device, else the default torch device. Source: vLLM platforms `current_platform` (role)."
@@ -45,6 +49,7 @@ class CustomOp(nn.Module):
     `@CustomOp.register("name")`. `enabled()` reads `CompilationConfig.custom_ops`; `dispatch_forward()` returns
     `forward_native` when disabled, else the platform's method. Raises `NotImplementedError` from a method a
     subclass did not define. Source: vLLM model_executor/custom_op.py `CustomOp`."""
+
     op_registry: dict[str, type[CustomOp]] = {}
     name: str
 
@@ -52,7 +57,8 @@ class CustomOp(nn.Module):
         super().__init__()
         self._forward_method = self.dispatch_forward()
 
-    def forward(self, *args, **kwargs) -> Any: return self._forward_method(*args, **kwargs)
+    def forward(self, *args, **kwargs) -> Any:
+        return self._forward_method(*args, **kwargs)
 
     def forward_native(self, *args, **kwargs) -> Any:
         "The torch implementation: the reference every kernel is checked against."
@@ -70,14 +76,17 @@ class CustomOp(nn.Module):
         cc, name = get_cached_compilation_config(), getattr(type(self), "name", type(self).__name__)
         enabled = self.enabled()
         (cc.enabled_custom_ops if enabled else cc.disabled_custom_ops).update([name])
-        if not enabled: return self.forward_native
+        if not enabled:
+            return self.forward_native
         return self.forward_cpu if current_platform_type() == "cpu" else self.forward_cuda
 
     @classmethod
     def enabled(cls) -> bool:
         "Whether this op uses its platform kernel: the default (`default_on`), unless `+name` / `-name` says otherwise."
         if not hasattr(cls, "name"):
-            logger.warning("custom op %s was not registered: its kernels follow the default only", cls.__name__)
+            logger.warning(
+                "custom op %s was not registered: its kernels follow the default only", cls.__name__
+            )
             return CustomOp.default_on()
         ops = get_cached_compilation_config().custom_ops
         return (CustomOp.default_on() or f"+{cls.name}" in ops) and f"-{cls.name}" not in ops
@@ -91,6 +100,7 @@ class CustomOp(nn.Module):
     @classmethod
     def register(cls, name: str) -> Callable[[type], type]:
         "Class decorator: record the class as `name` in `op_registry`; raises `ValueError` if another class has it."
+
         def decorator(op_cls: type) -> type:
             old = cls.op_registry.get(name)
             if old is not None and old.__qualname__ != op_cls.__qualname__:
@@ -98,4 +108,5 @@ class CustomOp(nn.Module):
             op_cls.name = name
             cls.op_registry[name] = op_cls
             return op_cls
+
         return decorator

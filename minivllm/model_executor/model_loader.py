@@ -26,9 +26,12 @@ class _ModelRegistry:
     """Architecture name (config.json `architectures`) -> model class, imported lazily from "module:Class".
 
     Source: vLLM model_executor/models/registry.py `_ModelRegistry`."""
-    def __init__(self, models: dict[str, str]): self.models = dict(models)
 
-    def get_supported_archs(self) -> list[str]: return sorted(self.models)
+    def __init__(self, models: dict[str, str]):
+        self.models = dict(models)
+
+    def get_supported_archs(self) -> list[str]:
+        return sorted(self.models)
 
     def register_model(self, model_arch: str, model_cls: type | str) -> None:
         "Add or replace an architecture: a class or a 'module:Class' string."
@@ -43,17 +46,23 @@ class _ModelRegistry:
                     module, name = cls.split(":")
                     cls = getattr(importlib.import_module(module), name)
                 return cls, arch
-        raise ValueError(f"model_config.hf_config.architectures: architecture {', '.join(architectures) or '(none)'} "
-                         f"is not supported; supported: {', '.join(self.get_supported_archs())}")
+        raise ValueError(
+            f"model_config.hf_config.architectures: architecture {', '.join(architectures) or '(none)'} "
+            f"is not supported; supported: {', '.join(self.get_supported_archs())}"
+        )
+
 
 _MODELS = "minivllm.model_executor.models"
-ModelRegistry = _ModelRegistry({
-    "LlamaForCausalLM": f"{_MODELS}.llama:LlamaForCausalLM",
-    "MistralForCausalLM": f"{_MODELS}.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": f"{_MODELS}.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": f"{_MODELS}.qwen3:Qwen3ForCausalLM",
-    "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
-})
+ModelRegistry = _ModelRegistry(
+    {
+        "LlamaForCausalLM": f"{_MODELS}.llama:LlamaForCausalLM",
+        "MistralForCausalLM": f"{_MODELS}.llama:LlamaForCausalLM",
+        "Qwen2ForCausalLM": f"{_MODELS}.qwen2:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": f"{_MODELS}.qwen3:Qwen3ForCausalLM",
+        "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
+    }
+)
+
 
 def get_model_architecture(model_config: Any) -> tuple[type[nn.Module], str]:
     """(model class, architecture name) for `model_config.hf_config.architectures`.
@@ -74,33 +83,45 @@ def get_safetensors_files(model_dir: str | Path) -> list[Path]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model: no *.safetensors weights in {str(model_dir)!r}; minivllm loads safetensors "
-                         "checkpoints only (convert .bin weights with transformers' save_pretrained)")
+        raise ValueError(
+            f"model: no *.safetensors weights in {str(model_dir)!r}; minivllm loads safetensors "
+            "checkpoints only (convert .bin weights with transformers' save_pretrained)"
+        )
     return files
+
 
 def safetensors_weights_iterator(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     "Yield (name, CPU tensor) for every tensor of every file, one at a time. Source: vLLM weight_utils.py."
     from safetensors import safe_open
+
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys(): yield name, st.get_tensor(name)
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
 
 @contextmanager
 def set_default_torch_dtype(dtype: torch.dtype):
     "Temporarily make `dtype` the default floating dtype (new parameters are created in it)."
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    try: yield
-    finally: torch.set_default_dtype(old)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 # %% ../../nbs/36_model_loader.ipynb #b07f0f16
-def process_weights_after_loading(model: nn.Module, model_config: Any = None, target_device: Any = None) -> None:
+def process_weights_after_loading(
+    model: nn.Module, model_config: Any = None, target_device: Any = None
+) -> None:
     """Let every submodule that defines `process_weights_after_loading()` finish its weights, once, after the
     checkpoint is in (on the CPU, linear layers and the LM head switch to prepacked oneDNN weights).
     Source: vLLM model_executor/model_loader/utils.py `process_weights_after_loading`."""
     for module in model.modules():
         hook = getattr(module, "process_weights_after_loading", None)
-        if callable(hook): hook()
+        if callable(hook):
+            hook()
+
 
 def get_model(vllm_config: Any, model_config: Any = None) -> nn.Module:
     """Build the model of `model_config` (default `vllm_config.model_config`) in `model_config.dtype` on
@@ -113,12 +134,18 @@ def get_model(vllm_config: Any, model_config: Any = None) -> nn.Module:
     model_cls, _ = get_model_architecture(model_config)
     files = get_safetensors_files(model_config.model)
     # The current config lets CustomOp layers (norms, activations, RoPE) pick their kernels (chapter 29f).
-    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), torch.device(device):
+    with (
+        set_current_vllm_config(vllm_config),
+        set_default_torch_dtype(model_config.dtype),
+        torch.device(device),
+    ):
         model = model_cls(vllm_config=vllm_config)
     loaded = model.load_weights(safetensors_weights_iterator(files))
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
-        raise ValueError(f"model: {len(missing)} parameters were not found in the checkpoint "
-                         f"{model_config.model!r}, e.g. {missing[:5]}")
+        raise ValueError(
+            f"model: {len(missing)} parameters were not found in the checkpoint "
+            f"{model_config.model!r}, e.g. {missing[:5]}"
+        )
     process_weights_after_loading(model, model_config, device)
     return model.eval()

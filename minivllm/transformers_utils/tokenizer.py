@@ -18,11 +18,16 @@ def get_tokenizer(tokenizer_name: str | Path, *args, trust_remote_code: bool = F
     Raises `ValueError` if the folder does not exist (no model hub) or holds no fast tokenizer.
     Source: vLLM transformers_utils/tokenizer.py `get_tokenizer`."""
     from transformers import AutoTokenizer
+
     path = Path(tokenizer_name)
     if not path.is_dir():
-        raise ValueError(f"tokenizer: {str(tokenizer_name)!r} is not a local folder; minivllm reads tokenizers from "
-                         "Hugging Face checkpoint folders on disk (no model hub)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path), *args, use_fast=True, trust_remote_code=trust_remote_code, **kwargs)
+        raise ValueError(
+            f"tokenizer: {str(tokenizer_name)!r} is not a local folder; minivllm reads tokenizers from "
+            "Hugging Face checkpoint folders on disk (no model hub)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path), *args, use_fast=True, trust_remote_code=trust_remote_code, **kwargs
+    )
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer: {str(path)!r} has no fast tokenizer (tokenizer.json)")
     return tokenizer

@@ -20,6 +20,7 @@ class BatchDescriptor(NamedTuple):
     """Identifies a captured CUDA graph: num_tokens (padded), num_reqs (padded; None = any, for mixed batches)
     and uniform_decode (every request has the same query length, 1 without speculative decoding).
     Source: vLLM forward_context.py `BatchDescriptor`."""
+
     num_tokens: int
     num_reqs: int | None = None
     uniform_decode: bool = False
@@ -28,7 +29,10 @@ class BatchDescriptor(NamedTuple):
         "The mixed-batch key a uniform batch falls back to."
         return BatchDescriptor(self.num_tokens, None, False)
 
-def is_uniform_decode(num_scheduled_tokens: np.ndarray | list[int], uniform_decode_query_len: int = 1) -> bool:
+
+def is_uniform_decode(
+    num_scheduled_tokens: np.ndarray | list[int], uniform_decode_query_len: int = 1
+) -> bool:
     "True iff every request of the step has exactly `uniform_decode_query_len` query tokens (and there is one)."
     n = np.asarray(num_scheduled_tokens)
     return n.size > 0 and bool((n == uniform_decode_query_len).all())
@@ -40,13 +44,19 @@ class CudagraphDispatcher:
     for `max_num_reqs` / `max_num_tokens` here. Source: vLLM v1/cudagraph_dispatcher.py `CudagraphDispatcher`."""
 
     def __init__(self, compilation_config: CompilationConfig, max_num_reqs: int, max_num_tokens: int):
-        self.compilation_config, self.max_num_reqs, self.max_num_tokens = compilation_config, max_num_reqs, max_num_tokens
+        self.compilation_config, self.max_num_reqs, self.max_num_tokens = (
+            compilation_config,
+            max_num_reqs,
+            max_num_tokens,
+        )
         if not compilation_config.bs_to_padded_graph_size:
             compilation_config.post_init_cudagraph_sizes(max_num_reqs, max_num_tokens)
         self.cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
         self.uniform_decode_query_len = 1
         self.cudagraph_keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {
-            CUDAGraphMode.FULL: set(), CUDAGraphMode.PIECEWISE: set()}
+            CUDAGraphMode.FULL: set(),
+            CUDAGraphMode.PIECEWISE: set(),
+        }
         self.keys_initialized = False
 
     def padded_num_tokens(self, num_tokens: int) -> int | None:
@@ -54,13 +64,17 @@ class CudagraphDispatcher:
         table = self.compilation_config.bs_to_padded_graph_size
         return table[num_tokens] if 0 < num_tokens < len(table) else None
 
-    def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int = 1) -> None:
+    def initialize_cudagraph_keys(
+        self, cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int = 1
+    ) -> None:
         self.cudagraph_mode, self.uniform_decode_query_len = cudagraph_mode, uniform_decode_query_len
-        for keys in self.cudagraph_keys.values(): keys.clear()
+        for keys in self.cudagraph_keys.values():
+            keys.clear()
         sizes = self.compilation_config.cudagraph_capture_sizes
         mixed = cudagraph_mode.mixed_mode()
         if mixed != CUDAGraphMode.NONE:
-            for s in sizes: self.cudagraph_keys[mixed].add(BatchDescriptor(s))
+            for s in sizes:
+                self.cudagraph_keys[mixed].add(BatchDescriptor(s))
         if cudagraph_mode.decode_mode() == CUDAGraphMode.FULL and cudagraph_mode.separate_routine():
             q = uniform_decode_query_len
             for s in sizes:
@@ -68,24 +82,35 @@ class CudagraphDispatcher:
                     self.cudagraph_keys[CUDAGraphMode.FULL].add(BatchDescriptor(s, s // q, True))
         self.keys_initialized = True
 
-    def dispatch(self, num_tokens: int, uniform_decode: bool = False,
-                 num_reqs: int | None = None) -> tuple[CUDAGraphMode, BatchDescriptor]:
+    def dispatch(
+        self, num_tokens: int, uniform_decode: bool = False, num_reqs: int | None = None
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """(runtime mode, key) for a step of `num_tokens` tokens: a FULL/PIECEWISE key padded to a capture
         size, or (NONE, the unpadded descriptor) to run eager. Source: vLLM cudagraph_dispatcher.py `dispatch`."""
         eager = (CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, uniform_decode))
         padded = self.padded_num_tokens(num_tokens) if self.keys_initialized else None
-        if padded is None or self.cudagraph_mode == CUDAGraphMode.NONE: return eager
+        if padded is None or self.cudagraph_mode == CUDAGraphMode.NONE:
+            return eager
         if uniform_decode:
             key = BatchDescriptor(padded, padded // self.uniform_decode_query_len, True)
-            if key in self.cudagraph_keys[CUDAGraphMode.FULL]: return CUDAGraphMode.FULL, key
+            if key in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                return CUDAGraphMode.FULL, key
         key = BatchDescriptor(padded)
         for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
-            if key in self.cudagraph_keys[mode]: return mode, key
+            if key in self.cudagraph_keys[mode]:
+                return mode, key
         return eager
 
 # %% ../../nbs/46_cudagraph_dispatcher.ipynb #b763d375
-def pad_attn_inputs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mappings: list[torch.Tensor],
-                    num_reqs: int, num_tokens: int, num_padded_reqs: int, num_padded_tokens: int) -> None:
+def pad_attn_inputs(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mappings: list[torch.Tensor],
+    num_reqs: int,
+    num_tokens: int,
+    num_padded_reqs: int,
+    num_padded_tokens: int,
+) -> None:
     """Pad one step, in place, from (num_reqs, num_tokens) to (num_padded_reqs, num_padded_tokens).
 
     query_start_loc: (>= num_padded_reqs + 1,) int32, entries r+1..R become num_tokens (empty requests);
@@ -93,7 +118,10 @@ def pad_attn_inputs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_
     int64, entries n..N-1 become -1. Raises `ValueError` when padding would shrink the step.
     Source: vLLM gpu_model_runner.py (padding for CUDA graphs; our helper)."""
     if num_padded_reqs < num_reqs or num_padded_tokens < num_tokens:
-        raise ValueError(f"cannot pad ({num_reqs} reqs, {num_tokens} tokens) to ({num_padded_reqs}, {num_padded_tokens})")
-    query_start_loc[num_reqs + 1:num_padded_reqs + 1] = num_tokens
+        raise ValueError(
+            f"cannot pad ({num_reqs} reqs, {num_tokens} tokens) to ({num_padded_reqs}, {num_padded_tokens})"
+        )
+    query_start_loc[num_reqs + 1 : num_padded_reqs + 1] = num_tokens
     seq_lens[num_reqs:num_padded_reqs] = 0
-    for sm in slot_mappings: sm[num_tokens:num_padded_tokens] = -1
+    for sm in slot_mappings:
+        sm[num_tokens:num_padded_tokens] = -1

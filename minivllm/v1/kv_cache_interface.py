@@ -21,22 +21,29 @@ __all__ = ['get_dtype_size', 'KVCacheSpec', 'AttentionSpec', 'FullAttentionSpec'
 def get_dtype_size(dtype: torch.dtype) -> int:
     "Bytes per element of `dtype`."
     import torch
+
     return torch.tensor([], dtype=dtype).element_size()
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Base spec: `block_size` tokens per block. Source: vLLM v1/kv_cache_interface.py `KVCacheSpec`."""
+
     block_size: int
 
     @property
-    def page_size_bytes(self) -> int: raise NotImplementedError
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
     def max_memory_usage_bytes(self, max_model_len: int) -> int:
         "Bytes one request of `max_model_len` tokens can occupy."
         return math.ceil(max_model_len / self.block_size) * self.page_size_bytes
 
+
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
     """K and V for `num_kv_heads` heads of `head_size` in `dtype`: page = 2 * block_size * heads * head_size * bytes."""
+
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
@@ -45,44 +52,55 @@ class AttentionSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_size * get_dtype_size(self.dtype)
 
+
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
     """Causal attention over the whole context: every block is kept. `sliding_window` is set only when
     a hybrid model's sliding layers are served by the full manager. Source: vLLM `FullAttentionSpec`."""
+
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+
 
 @dataclass(frozen=True)
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention (DeepSeek): one compressed latent per token instead of separate K and V, so a
     page is block_size * num_kv_heads * head_size * bytes (no factor 2). Served like full attention.
     Source: vLLM `MLAAttentionSpec`."""
+
     @property
     def page_size_bytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_size * get_dtype_size(self.dtype)
 
+
 @dataclass(frozen=True)
 class SlidingWindowSpec(AttentionSpec):
     """Attention over the last `sliding_window` tokens: older blocks can be freed. Source: vLLM `SlidingWindowSpec`."""
+
     sliding_window: int = 0
 
     def max_memory_usage_bytes(self, max_model_len: int) -> int:
         n = min(self.sliding_window - 1 + 1, max_model_len)  # window plus the new token
         return (math.ceil(n / self.block_size) + 1) * self.page_size_bytes
 
+
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
     "Attention within fixed chunks of `attention_chunk_size` tokens. Source: vLLM `ChunkedLocalAttentionSpec`."
+
     attention_chunk_size: int = 0
+
 
 @dataclass(frozen=True)
 class CrossAttentionSpec(AttentionSpec):
     "Decoder cross-attention to encoder outputs (encoder-decoder models). Source: vLLM `CrossAttentionSpec`."
 
+
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     """State-space layer state: one fixed-size state per request (`page_size_bytes` given directly).
     `mamba_cache_mode`: "none" keeps only the latest state, "align" keeps block-aligned states for prefix caching."""
+
     shapes: tuple = ()
     dtypes: tuple = ()
     page_size_padded: int | None = None
@@ -90,31 +108,39 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        if self.page_size_padded is not None: return self.page_size_padded
+        if self.page_size_padded is not None:
+            return self.page_size_padded
         return sum(math.prod(s) * get_dtype_size(d) for s, d in zip(self.shapes, self.dtypes))
+
 
 @dataclass(frozen=True)
 class SinkFullAttentionSpec(FullAttentionSpec):
     "Full attention with `sink_len` learned sink tokens kept in their own blocks. Source: vLLM `SinkFullAttentionSpec`."
+
     sink_len: int = 0
 
 # %% ../../nbs/10_kv_cache_interface.ipynb #0231eec6
 @dataclass
 class KVCacheTensor:
     "One allocation of `size` bytes shared by the layers in `shared_by`. Source: vLLM `KVCacheTensor`."
+
     size: int
     shared_by: list[str]
+
 
 @dataclass
 class KVCacheGroupSpec:
     "Layers managed together (one block table). Source: vLLM `KVCacheGroupSpec`."
+
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
+
 
 @dataclass
 class KVCacheConfig:
     """Result of KV cache sizing: `num_blocks` blocks per group, the tensors to allocate and the groups.
     Source: vLLM v1/kv_cache_interface.py `KVCacheConfig`."""
+
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)

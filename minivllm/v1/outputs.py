@@ -20,25 +20,32 @@ class LogprobsTensors(NamedTuple):
     """Top-k logprobs as tensors. logprob_token_ids: (num_tokens, k + 1) int64, [sampled, top-1..top-k];
     logprobs: (num_tokens, k + 1) float32; selected_token_ranks: (num_tokens,) int64 (1 = most likely).
     Source: vLLM v1/outputs.py `LogprobsTensors`."""
+
     logprob_token_ids: torch.Tensor
     logprobs: torch.Tensor
     selected_token_ranks: torch.Tensor
 
     def tolists(self) -> LogprobsLists:
-        return LogprobsLists(self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.selected_token_ranks.tolist())
+        return LogprobsLists(
+            self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.selected_token_ranks.tolist()
+        )
+
 
 @dataclass
 class SamplerOutput:
     """sampled_token_ids: (num_reqs, 1) int64 on the model's device; logprobs_tensors when any request asked.
     Source: vLLM v1/outputs.py `SamplerOutput`."""
+
     sampled_token_ids: torch.Tensor
     logprobs_tensors: LogprobsTensors | None = None
+
 
 @dataclass
 class ModelRunnerOutput:
     """Result of one step. `sampled_token_ids[i]` belongs to `req_ids[i]` (empty while a prefill is
     unfinished); `logprobs` rows follow the same order; `prompt_logprobs_dict[req_id]` covers the prompt
     tokens computed this step. Source: vLLM v1/outputs.py:160 `ModelRunnerOutput`."""
+
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]] = field(default_factory=list)
@@ -47,5 +54,6 @@ class ModelRunnerOutput:
     pooler_output: list | None = None
     kv_connector_output: object | None = None
     num_nans_in_logits: dict[str, int] | None = None
+
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})

@@ -19,6 +19,7 @@ __all__ = ['RequestStatus', 'Request']
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request in the engine core; every status after PREEMPTED is finished.
     Source: vLLM v1/request.py `RequestStatus`."""
+
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
@@ -29,14 +30,17 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
 
-    def __str__(self): return self.name
+    def __str__(self):
+        return self.name
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool: return status > RequestStatus.PREEMPTED
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
 
     @staticmethod
     def get_finished_reason(status: "RequestStatus") -> FinishReason | None:
         return _FINISHED_REASON_MAP.get(status)
+
 
 _FINISHED_REASON_MAP = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -52,11 +56,23 @@ class Request:
     Token counts are in tokens; `arrival_time` is time.time() seconds. `block_hasher(request)` returns
     the new full-block hashes (list of bytes) and is called on creation and on every append.
     Source: vLLM v1/request.py `Request`."""
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                 pooling_params: Any = None, eos_token_id: int | None = None, client_index: int = 0,
-                 arrival_time: float | None = None, mm_features: list | None = None, lora_request: Any = None,
-                 cache_salt: str | None = None, priority: int = 0, trace_headers: dict | None = None,
-                 block_hasher: Callable[["Request"], list[bytes]] | None = None):
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        pooling_params: Any = None,
+        eos_token_id: int | None = None,
+        client_index: int = 0,
+        arrival_time: float | None = None,
+        mm_features: list | None = None,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        trace_headers: dict | None = None,
+        block_hasher: Callable[["Request"], list[bytes]] | None = None,
+    ):
         self.request_id, self.client_index, self.priority = request_id, client_index, priority
         self.sampling_params, self.pooling_params = sampling_params, pooling_params
         self.eos_token_id = eos_token_id
@@ -80,46 +96,88 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
-        if block_hasher is not None: self.block_hashes.extend(block_hasher(self))
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
 
     @classmethod
-    def from_engine_core_request(cls, request: EngineCoreRequest,
-                                 block_hasher: Callable[["Request"], list[bytes]] | None = None) -> "Request":
+    def from_engine_core_request(
+        cls, request: EngineCoreRequest, block_hasher: Callable[["Request"], list[bytes]] | None = None
+    ) -> "Request":
         "Build the engine-core `Request` from the wire struct."
-        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.pooling_params,
-                   request.eos_token_id, request.client_index, request.arrival_time, request.mm_features,
-                   request.lora_request, request.cache_salt, request.priority, request.trace_headers, block_hasher)
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.pooling_params,
+            request.eos_token_id,
+            request.client_index,
+            request.arrival_time,
+            request.mm_features,
+            request.lora_request,
+            request.cache_salt,
+            request.priority,
+            request.trace_headers,
+            block_hasher,
+        )
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         "Append sampled token(s) and hash any block that became full."
-        if isinstance(token_ids, int): token_ids = [token_ids]
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
-        if self._block_hasher is not None: self.block_hashes.extend(self._block_hasher(self))
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
 
     @property
-    def output_token_ids(self) -> list[int]: return self._output_token_ids
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
     @property
-    def all_token_ids(self) -> list[int]: return self._all_token_ids
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
     @property
-    def num_tokens(self) -> int: return len(self._all_token_ids)
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
     @property
-    def num_tokens_with_spec(self) -> int: return len(self._all_token_ids) + len(self.spec_token_ids)
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
     @property
-    def num_output_tokens(self) -> int: return len(self._output_token_ids)
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
     @property
-    def is_prefill(self) -> bool: return self.num_computed_tokens < self.num_prompt_tokens
-    def is_finished(self) -> bool: return RequestStatus.is_finished(self.status)
-    def get_finished_reason(self) -> FinishReason | None: return RequestStatus.get_finished_reason(self.status)
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent.new_event(event_type, timestamp))
+
     def take_events(self) -> list[EngineCoreEvent] | None:
-        if not self.events: return None
+        if not self.events:
+            return None
         events, self.events = self.events, []
         return events
+
     def __lt__(self, other: "Request") -> bool:
         "Priority order: lower `priority` value first, then earlier arrival (used by the priority queue)."
-        return (self.priority, self.arrival_time, self.request_id) < (other.priority, other.arrival_time, other.request_id)
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
     def __repr__(self):
-        return (f"Request({self.request_id!r}, status={self.status}, prompt={self.num_prompt_tokens}, "
-                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

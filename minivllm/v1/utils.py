@@ -16,6 +16,7 @@ def is_pin_memory_available() -> bool:
     "Pinned host memory only helps (and only works) with CUDA."
     return torch.cuda.is_available()
 
+
 class CpuGpuBuffer:
     """`cpu` (*size) tensor of `dtype`, its numpy view `np` and a device tensor `gpu` of the same shape.
 
@@ -23,21 +24,32 @@ class CpuGpuBuffer:
     slice. When `device` is the CPU, `gpu` is the `cpu` tensor itself and the copy is a no-op.
     Source: vLLM v1/utils.py `CpuGpuBuffer`."""
 
-    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str,
-                 pin_memory: bool | None = None, with_numpy: bool = True):
+    def __init__(
+        self,
+        *size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        pin_memory: bool | None = None,
+        with_numpy: bool = True,
+    ):
         device = torch.device(device)
-        if pin_memory is None: pin_memory = is_pin_memory_available() and device.type == "cuda"
+        if pin_memory is None:
+            pin_memory = is_pin_memory_available() and device.type == "cuda"
         self.cpu = torch.zeros(*size, dtype=dtype, device="cpu", pin_memory=pin_memory)
         self.gpu = self.cpu if device.type == "cpu" else torch.zeros_like(self.cpu, device=device)
         self.np: np.ndarray | None = self.cpu.numpy() if with_numpy else None
 
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
-        if self.gpu is self.cpu: return self.cpu if n is None else self.cpu[:n]
-        if n is None: return self.gpu.copy_(self.cpu, non_blocking=True)
+        if self.gpu is self.cpu:
+            return self.cpu if n is None else self.cpu[:n]
+        if n is None:
+            return self.gpu.copy_(self.cpu, non_blocking=True)
         return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
 
     def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
         "Device -> host copy (non-blocking; synchronize before reading `cpu`)."
-        if self.gpu is self.cpu: return self.cpu if n is None else self.cpu[:n]
-        if n is None: return self.cpu.copy_(self.gpu, non_blocking=True)
+        if self.gpu is self.cpu:
+            return self.cpu if n is None else self.cpu[:n]
+        if n is None:
+            return self.cpu.copy_(self.gpu, non_blocking=True)
         return self.cpu[:n].copy_(self.gpu[:n], non_blocking=True)

@@ -30,32 +30,41 @@ __all__ = ['logger', 'SHM_PREFIX', 'RINGBUFFER_WARNING_INTERVAL', 'memory_fence'
 # %% ../../../nbs/45b_shm_broadcast.ipynb #fd536625
 _fence_lock = threading.Lock()
 
+
 def memory_fence() -> None:
     """Full memory barrier between plain loads/stores to shared memory (a lock's acquire and release order
     them on every CPU). Source: vLLM shm_broadcast.py `memory_fence`."""
     _fence_lock.acquire()
     _fence_lock.release()
 
+
 class SpinSleepTimer:
     """Wait strategy for flag polling: `sched_yield` for `busy_s` seconds, then naps of `sleep_s`, then
     `idle_sleep_s` once the wait is older than `idle_s`. Source: vLLM shm_broadcast.py `SpinTimer`/`SpinSleepTimer`."""
-    def __init__(self, busy_s: float = 1e-3, sleep_s: float = 1e-4, idle_s: float = 1.0, idle_sleep_s: float = 1e-3):
+
+    def __init__(
+        self, busy_s: float = 1e-3, sleep_s: float = 1e-4, idle_s: float = 1.0, idle_sleep_s: float = 1e-3
+    ):
         self.busy_s, self.sleep_s, self.idle_s, self.idle_sleep_s = busy_s, sleep_s, idle_s, idle_sleep_s
         self.start = time.monotonic()
 
     def spin(self) -> None:
         waited = time.monotonic() - self.start
-        if waited < self.busy_s: os.sched_yield()
-        else: time.sleep(self.sleep_s if waited < self.idle_s else self.idle_sleep_s)
+        if waited < self.busy_s:
+            os.sched_yield()
+        else:
+            time.sleep(self.sleep_s if waited < self.idle_s else self.idle_sleep_s)
 
 # %% ../../../nbs/45b_shm_broadcast.ipynb #b6c39f02
 SHM_PREFIX = "minivllm_"
+
 
 class ShmRingBuffer:
     """`max_chunks` chunks of `max_chunk_bytes` bytes, then `max_chunks × (1 + n_reader)` flag bytes
     (`[written, read_0, …, read_{n-1}]` per chunk), in one `SharedMemory` block. `name=None` creates the
     block (zeroed); a name attaches to an existing one (FileNotFoundError if it is gone).
     Source: vLLM shm_broadcast.py `ShmRingBuffer`."""
+
     def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None):
         self.n_reader, self.max_chunk_bytes, self.max_chunks = n_reader, max_chunk_bytes, max_chunks
         self.metadata_size = 1 + n_reader
@@ -63,20 +72,26 @@ class ShmRingBuffer:
         self.total_bytes_of_buffer = (max_chunk_bytes + self.metadata_size) * max_chunks
         self.is_creator = name is None
         if self.is_creator:
-            self.shared_memory = shared_memory.SharedMemory(name=SHM_PREFIX + uuid.uuid4().hex[:16], create=True,
-                                                            size=self.total_bytes_of_buffer)
-            self.shared_memory.buf[self.metadata_offset:self.total_bytes_of_buffer] = bytes(self.metadata_size * max_chunks)
+            self.shared_memory = shared_memory.SharedMemory(
+                name=SHM_PREFIX + uuid.uuid4().hex[:16], create=True, size=self.total_bytes_of_buffer
+            )
+            self.shared_memory.buf[self.metadata_offset : self.total_bytes_of_buffer] = bytes(
+                self.metadata_size * max_chunks
+            )
         else:
             with patch("multiprocessing.resource_tracker.register", lambda *args, **kwargs: None):
                 self.shared_memory = shared_memory.SharedMemory(name=name)
             if self.shared_memory.size < self.total_bytes_of_buffer:
-                raise ValueError(f"shared memory {name} has {self.shared_memory.size} bytes, expected {self.total_bytes_of_buffer}")
+                raise ValueError(
+                    f"shared memory {name} has {self.shared_memory.size} bytes, expected {self.total_bytes_of_buffer}"
+                )
 
     def handle(self) -> tuple[int, int, int, str]:
         "What a reader needs to attach: (n_reader, max_chunk_bytes, max_chunks, name)."
         return (self.n_reader, self.max_chunk_bytes, self.max_chunks, self.shared_memory.name)
 
-    def __reduce__(self): return (self.__class__, self.handle())
+    def __reduce__(self):
+        return (self.__class__, self.handle())
 
     def metadata_index(self, chunk: int) -> int:
         "Offset of chunk `chunk`'s written flag; its read flags follow."
@@ -86,64 +101,83 @@ class ShmRingBuffer:
     def get_data(self, chunk: int) -> Iterator[memoryview]:
         "A view of chunk `chunk`'s bytes, released on exit (a live view would make `close()` fail)."
         start = chunk * self.max_chunk_bytes
-        view = self.shared_memory.buf[start:start + self.max_chunk_bytes]
-        try: yield view
-        finally: view.release()
+        view = self.shared_memory.buf[start : start + self.max_chunk_bytes]
+        try:
+            yield view
+        finally:
+            view.release()
 
     @contextmanager
     def get_metadata(self, chunk: int) -> Iterator[memoryview]:
         "A view of chunk `chunk`'s `1 + n_reader` flag bytes."
         start = self.metadata_index(chunk)
-        view = self.shared_memory.buf[start:start + self.metadata_size]
-        try: yield view
-        finally: view.release()
+        view = self.shared_memory.buf[start : start + self.metadata_size]
+        try:
+            yield view
+        finally:
+            view.release()
 
     def close(self) -> None:
         "Detach; the creator also unlinks the block (idempotent)."
-        if self.shared_memory is None: return
+        if self.shared_memory is None:
+            return
         self.shared_memory.close()
         if self.is_creator:
-            try: self.shared_memory.unlink()
-            except FileNotFoundError: pass
+            try:
+                self.shared_memory.unlink()
+            except FileNotFoundError:
+                pass
         self.shared_memory = None
 
 # %% ../../../nbs/45b_shm_broadcast.ipynb #2762698a
 _OVERFLOW, _HEADER = 1, struct.Struct("<BQ")
 
+
 @dataclass
 class Handle:
     "How to attach to a `MessageQueue` as a reader. Source: vLLM shm_broadcast.py `Handle`."
+
     local_reader_ranks: list[int] = field(default_factory=list)
     buffer_handle: tuple[int, int, int, str] | None = None
     local_subscribe_addr: str | None = None
 
+
 def _ipc_path() -> str:
     return f"ipc://{tempfile.gettempdir()}/minivllm-mq-{uuid.uuid4().hex[:12]}"
+
 
 class MessageQueue:
     """One writer, `n_reader` readers; `enqueue(obj)` pickles `obj` into the next chunk (or, when it does not
     fit in `max_chunk_bytes - 9`, sends it over a ZMQ XPUB socket and marks the chunk "overflow"); every reader
     gets every message, in order, from `dequeue`. Source: vLLM shm_broadcast.py `MessageQueue`."""
+
     def __init__(self, n_reader: int, max_chunk_bytes: int = 10 * 1024 * 1024, max_chunks: int = 10):
-        if n_reader < 1: raise ValueError(f"n_reader must be >= 1; got {n_reader}")
-        if max_chunk_bytes <= _HEADER.size: raise ValueError(f"max_chunk_bytes must be > {_HEADER.size}; got {max_chunk_bytes}")
+        if n_reader < 1:
+            raise ValueError(f"n_reader must be >= 1; got {n_reader}")
+        if max_chunk_bytes <= _HEADER.size:
+            raise ValueError(f"max_chunk_bytes must be > {_HEADER.size}; got {max_chunk_bytes}")
         self.n_reader = n_reader
         self.buffer = ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)
         self.local_socket = zmq.Context.instance().socket(zmq.XPUB)
-        self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)   # report every reader's subscription, not just the first
+        self.local_socket.setsockopt(
+            zmq.XPUB_VERBOSE, True
+        )  # report every reader's subscription, not just the first
         self.local_socket.setsockopt(zmq.LINGER, 0)
         self.local_subscribe_addr = _ipc_path()
         self.local_socket.bind(self.local_subscribe_addr)
         self.current_idx, self.local_reader_rank, self._is_writer = 0, -1, True
         self.handle = Handle(list(range(n_reader)), self.buffer.handle(), self.local_subscribe_addr)
 
-    def export_handle(self) -> Handle: return self.handle
+    def export_handle(self) -> Handle:
+        return self.handle
 
     @staticmethod
     def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
         "Reader `rank`'s side of the queue described by `handle` (ValueError if `rank` is not one of its readers)."
         if rank not in handle.local_reader_ranks:
-            raise ValueError(f"rank {rank} is not a reader of this queue (readers: {handle.local_reader_ranks})")
+            raise ValueError(
+                f"rank {rank} is not a reader of this queue (readers: {handle.local_reader_ranks})"
+            )
         self = MessageQueue.__new__(MessageQueue)
         self.handle, self.n_reader = handle, len(handle.local_reader_ranks)
         self.buffer = ShmRingBuffer(*handle.buffer_handle)
@@ -152,103 +186,134 @@ class MessageQueue:
         self.local_socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.local_socket.connect(handle.local_subscribe_addr)
         self.local_subscribe_addr = handle.local_subscribe_addr
-        self.current_idx, self.local_reader_rank, self._is_writer = 0, handle.local_reader_ranks.index(rank), False
+        self.current_idx, self.local_reader_rank, self._is_writer = (
+            0,
+            handle.local_reader_ranks.index(rank),
+            False,
+        )
         return self
 
 # %% ../../../nbs/45b_shm_broadcast.ipynb #04f3efc9
-def _wait_until_ready(self: MessageQueue, timeout: float | None = None, cancel: threading.Event | None = None) -> None:
+def _wait_until_ready(
+    self: MessageQueue, timeout: float | None = None, cancel: threading.Event | None = None
+) -> None:
     """Handshake on the overflow socket (writer: wait for all subscriptions, publish READY; reader: wait for it).
     TimeoutError after `timeout` s, RuntimeError when `cancel` is set (the peer died)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+
     def recv() -> bytes:
         while True:
             ms = 100 if deadline is None else max(0, min(100, int((deadline - time.monotonic()) * 1000)))
-            if self.local_socket.poll(ms): return self.local_socket.recv()
-            if cancel is not None and cancel.is_set(): raise RuntimeError("MessageQueue handshake cancelled")
+            if self.local_socket.poll(ms):
+                return self.local_socket.recv()
+            if cancel is not None and cancel.is_set():
+                raise RuntimeError("MessageQueue handshake cancelled")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"MessageQueue handshake timed out after {timeout} s")
+
     if self._is_writer:
         for _ in range(self.n_reader):
             msg = recv()
-            if msg[:1] != b"\x01": raise RuntimeError(f"unexpected message on the XPUB socket: {msg!r}")
+            if msg[:1] != b"\x01":
+                raise RuntimeError(f"unexpected message on the XPUB socket: {msg!r}")
         self.local_socket.send(b"READY")
     elif (msg := recv()) != b"READY":
         raise RuntimeError(f"expected READY from the writer, got {msg!r}")
 
+
 MessageQueue.wait_until_ready = _wait_until_ready
 
 # %% ../../../nbs/45b_shm_broadcast.ipynb #9d07e6bb
-RINGBUFFER_WARNING_INTERVAL = 60.0  # seconds between "still waiting" warnings (VLLM_RINGBUFFER_WARNING_INTERVAL)
+RINGBUFFER_WARNING_INTERVAL = (
+    60.0  # seconds between "still waiting" warnings (VLLM_RINGBUFFER_WARNING_INTERVAL)
+)
+
 
 def _check_wait(start: float, timeout: float | None, what: str, warned: list) -> None:
     waited = time.monotonic() - start
-    if timeout is not None and waited > timeout: raise TimeoutError(f"{what}: nothing after {timeout} s")
+    if timeout is not None and waited > timeout:
+        raise TimeoutError(f"{what}: nothing after {timeout} s")
     if waited > RINGBUFFER_WARNING_INTERVAL * (warned[0] + 1):
         warned[0] += 1
         logger.warning("%s: still waiting after %.0f s", what, waited)
+
 
 @contextmanager
 def _acquire_write(self: MessageQueue, timeout: float | None = None) -> Iterator[memoryview]:
     "Yield the next free chunk; publish it when the block exits cleanly. TimeoutError if the readers fall behind."
     buf, meta = self.buffer.shared_memory.buf, self.buffer.metadata_index(self.current_idx)
     timer, start, warned = SpinSleepTimer(), time.monotonic(), [0]
-    while buf[meta] and sum(buf[meta + 1:meta + 1 + self.n_reader]) != self.n_reader:
+    while buf[meta] and sum(buf[meta + 1 : meta + 1 + self.n_reader]) != self.n_reader:
         _check_wait(start, timeout, "MessageQueue.acquire_write (a reader is behind)", warned)  # ring full
         timer.spin()
     with self.buffer.get_data(self.current_idx) as data:
         yield data
-    memory_fence()                                   # the data is in memory before any flag says so
-    buf[meta + 1:meta + 1 + self.n_reader] = bytes(self.n_reader)
+    memory_fence()  # the data is in memory before any flag says so
+    buf[meta + 1 : meta + 1 + self.n_reader] = bytes(self.n_reader)
     buf[meta] = 1
     memory_fence()
     self.current_idx = (self.current_idx + 1) % self.buffer.max_chunks
 
+
 @contextmanager
-def _acquire_read(self: MessageQueue, timeout: float | None = None,
-                  cancel: threading.Event | None = None) -> Iterator[memoryview]:
+def _acquire_read(
+    self: MessageQueue, timeout: float | None = None, cancel: threading.Event | None = None
+) -> Iterator[memoryview]:
     "Yield the next chunk written for this reader; mark it read when the block exits cleanly. TimeoutError / RuntimeError (cancelled)."
     buf, meta = self.buffer.shared_memory.buf, self.buffer.metadata_index(self.current_idx)
     flag = meta + 1 + self.local_reader_rank
     timer, start, warned = SpinSleepTimer(), time.monotonic(), [0]
     while not buf[meta] or buf[flag]:
-        if cancel is not None and cancel.is_set(): raise RuntimeError("MessageQueue.dequeue cancelled")
+        if cancel is not None and cancel.is_set():
+            raise RuntimeError("MessageQueue.dequeue cancelled")
         _check_wait(start, timeout, "MessageQueue.acquire_read (no message)", warned)
         timer.spin()
-    memory_fence()                                   # read the flag before the data
+    memory_fence()  # read the flag before the data
     with self.buffer.get_data(self.current_idx) as data:
         yield data
-    memory_fence()                                   # finish reading before the writer may reuse the chunk
+    memory_fence()  # finish reading before the writer may reuse the chunk
     buf[flag] = 1
     self.current_idx = (self.current_idx + 1) % self.buffer.max_chunks
+
 
 MessageQueue.acquire_write, MessageQueue.acquire_read = _acquire_write, _acquire_read
 
 # %% ../../../nbs/45b_shm_broadcast.ipynb #150322ad
 def _enqueue(self: MessageQueue, obj: Any, timeout: float | None = None) -> None:
     "Send `obj` (anything picklable) to every reader. TimeoutError if no chunk frees up within `timeout` s."
-    if not self._is_writer: raise RuntimeError("only the writer may enqueue")
+    if not self._is_writer:
+        raise RuntimeError("only the writer may enqueue")
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     overflow = _HEADER.size + len(payload) > self.buffer.max_chunk_bytes
     with self.acquire_write(timeout) as data:
-        if overflow: _HEADER.pack_into(data, 0, _OVERFLOW, len(payload))
+        if overflow:
+            _HEADER.pack_into(data, 0, _OVERFLOW, len(payload))
         else:
             _HEADER.pack_into(data, 0, 0, len(payload))
-            data[_HEADER.size:_HEADER.size + len(payload)] = payload
-    if overflow: self.local_socket.send(payload, copy=False)
+            data[_HEADER.size : _HEADER.size + len(payload)] = payload
+    if overflow:
+        self.local_socket.send(payload, copy=False)
+
 
 def _dequeue(self: MessageQueue, timeout: float | None = None, cancel: threading.Event | None = None) -> Any:
     """The next message. `timeout` in seconds (None: wait forever); TimeoutError when it passes, RuntimeError
     when `cancel` is set while waiting."""
-    if self._is_writer: raise RuntimeError("the writer cannot dequeue")
+    if self._is_writer:
+        raise RuntimeError("the writer cannot dequeue")
     start = time.monotonic()
     with self.acquire_read(timeout, cancel) as data:
         kind, n = _HEADER.unpack_from(data, 0)
-        if kind != _OVERFLOW: return pickle.loads(data[_HEADER.size:_HEADER.size + n])
-        while not self.local_socket.poll(100):   # the payload follows the flag closely; keep honouring timeout/cancel
-            if cancel is not None and cancel.is_set(): raise RuntimeError("MessageQueue.dequeue cancelled")
+        if kind != _OVERFLOW:
+            return pickle.loads(data[_HEADER.size : _HEADER.size + n])
+        while not self.local_socket.poll(
+            100
+        ):  # the payload follows the flag closely; keep honouring timeout/cancel
+            if cancel is not None and cancel.is_set():
+                raise RuntimeError("MessageQueue.dequeue cancelled")
             if timeout is not None and time.monotonic() - start > timeout:
                 raise TimeoutError(f"MessageQueue.dequeue: overflow payload not received after {timeout} s")
         return pickle.loads(self.local_socket.recv(copy=False).buffer)
+
 
 def _close(self: MessageQueue) -> None:
     "Close the socket and detach from (writer: unlink) the shared memory. Idempotent."
@@ -256,8 +321,12 @@ def _close(self: MessageQueue) -> None:
         self.local_socket.close(linger=0)
         self.local_socket = None
         if self._is_writer:
-            try: os.unlink(self.local_subscribe_addr.removeprefix("ipc://"))
-            except OSError: pass
-    if getattr(self, "buffer", None) is not None: self.buffer.close()
+            try:
+                os.unlink(self.local_subscribe_addr.removeprefix("ipc://"))
+            except OSError:
+                pass
+    if getattr(self, "buffer", None) is not None:
+        self.buffer.close()
+
 
 MessageQueue.enqueue, MessageQueue.dequeue, MessageQueue.close = _enqueue, _dequeue, _close

@@ -22,15 +22,19 @@ class SiluAndMul(CustomOp):
 
     `forward_cpu` computes the same in one C pass (silu rounded to x's dtype before the multiply, as torch).
     Source: vLLM model_executor/layers/activation.py `SiluAndMul`; csrc/cpu/activation.cpp."""
+
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
-    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor: return self.forward_native(x)  # no GPU kernel yet
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_native(x)  # no GPU kernel yet
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if not cpu_ops.can_use_cpu_ops(x) or x.shape[-1] % 2: return self.forward_native(x)
-        if not x.is_contiguous() and (x.dim() != 2 or x.stride(-1) != 1): x = x.contiguous()
+        if not cpu_ops.can_use_cpu_ops(x) or x.shape[-1] % 2:
+            return self.forward_native(x)
+        if not x.is_contiguous() and (x.dim() != 2 or x.stride(-1) != 1):
+            x = x.contiguous()
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
         cpu_ops.silu_and_mul(out, x)
         return out

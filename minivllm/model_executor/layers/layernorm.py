@@ -24,6 +24,7 @@ class RMSNorm(CustomOp):
     the residual form in place (x and residual are overwritten and returned, as vLLM's kernels do): callers
     use the returned tensors, never the arguments afterwards. Source: vLLM
     model_executor/layers/layernorm.py `RMSNorm`; csrc/cpu/layernorm.cpp."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.hidden_size, self.variance_epsilon = hidden_size, eps
@@ -43,10 +44,13 @@ class RMSNorm(CustomOp):
         return self.forward_native(x, residual)  # no GPU kernel yet
 
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if not cpu_ops.can_use_cpu_ops(x, self.weight) or (residual is not None and not cpu_ops.can_use_cpu_ops(x, residual)):
+        if not cpu_ops.can_use_cpu_ops(x, self.weight) or (
+            residual is not None and not cpu_ops.can_use_cpu_ops(x, residual)
+        ):
             return self.forward_native(x, residual)
         if residual is None:
-            if x.dim() > 3 or x.stride(-1) != 1: x = x.contiguous()
+            if x.dim() > 3 or x.stride(-1) != 1:
+                x = x.contiguous()
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             cpu_ops.rms_norm(out, x, self.weight, self.variance_epsilon)
             return out
@@ -55,4 +59,5 @@ class RMSNorm(CustomOp):
         cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         return x, residual
 
-    def extra_repr(self) -> str: return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

@@ -16,13 +16,22 @@ __all__ = ['dispatch_cpu_unquantized_gemm', 'unquantized_gemm', 'default_weight_
 # %% ../../../nbs/30b_linear.ipynb #862b39d6
 import os
 
+
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     "oneDNN's blocked copy of a (N, K) CPU weight, or None where oneDNN cannot pack it here."
-    if (weight.device.type != "cpu" or weight.ndim != 2 or os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1") == "0"
-            or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if (
+        weight.device.type != "cpu"
+        or weight.ndim != 2
+        or os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1") == "0"
+        or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
         return None
-    try: return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    except RuntimeError: return None  # e.g. bfloat16 without AVX512-BF16 / AVX-NE-CONVERT
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:
+        return None  # e.g. bfloat16 without AVX512-BF16 / AVX-NE-CONVERT
+
 
 def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None:
     """Give `layer` a `cpu_linear(x, weight, bias)` that multiplies by a oneDNN-prepacked copy of `layer.weight`.
@@ -37,19 +46,23 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None
     if packed is None:
         layer.cpu_linear = None
         return
+
     def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
     layer.cpu_linear = cpu_linear
     if remove_weight:
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
 
-def unquantized_gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+
+def unquantized_gemm(
+    layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T + bias for `layer`: its `cpu_linear` when `dispatch_cpu_unquantized_gemm` gave it one, else
     `F.linear`. x: (..., K) -> (..., N). Source: vLLM model_executor/layers/utils.py `dispatch_unquantized_gemm`,
     `cpu_unquantized_gemm`."""
     cpu_linear = getattr(layer, "cpu_linear", None)
     return F.linear(x, weight, bias) if cpu_linear is None else cpu_linear(x, weight, bias)
-
 
 # %% ../../../nbs/30b_linear.ipynb #dbe9f62b
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -57,28 +70,47 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
     Source: vLLM model_executor/model_loader/weight_utils.py `default_weight_loader`."""
     if param.shape != loaded_weight.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
-    with torch.no_grad(): param.copy_(loaded_weight)
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(loaded_weight)
+
 
 class LinearBase(nn.Module):
     """y = x @ weight.T + bias with weight (output_size, input_size) in the default dtype, left uninitialised.
 
     `forward(x: (..., input_size))` -> `(y: (..., output_size), output_bias)`; output_bias is the bias when
     `skip_bias_add`, else None. Source: vLLM model_executor/layers/linear.py `LinearBase`."""
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype | None = None, prefix: str = ""):
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
-        self.input_size, self.output_size, self.skip_bias_add, self.prefix = input_size, output_size, skip_bias_add, prefix
+        self.input_size, self.output_size, self.skip_bias_add, self.prefix = (
+            input_size,
+            output_size,
+            skip_bias_add,
+            prefix,
+        )
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        else: self.register_parameter("bias", None)
+        else:
+            self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
-        if loaded_shard_id is not None: raise ValueError(f"{type(self).__name__} has no shards; got {loaded_shard_id!r}")
+        if loaded_shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shards; got {loaded_shard_id!r}")
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor):
@@ -87,16 +119,22 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         "Called once by the model loader after all weights are in: on the CPU, switch to a prepacked oneDNN matmul."
-        if self.weight.device.type == "cpu": dispatch_cpu_unquantized_gemm(self, remove_weight=True)
+        if self.weight.device.type == "cpu":
+            dispatch_cpu_unquantized_gemm(self, remove_weight=True)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.input_size}, output_features={self.output_size}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.input_size}, output_features={self.output_size}, bias={self.bias is not None}"
+        )
+
 
 class ReplicatedLinear(LinearBase):
     "A full copy of the matrix on every rank. Source: vLLM `ReplicatedLinear`."
 
+
 class ColumnParallelLinear(LinearBase):
     "Output dim split over tensor-parallel ranks (one rank here: the whole matrix). Source: vLLM `ColumnParallelLinear`."
+
 
 class RowParallelLinear(LinearBase):
     "Input dim split over tensor-parallel ranks, all-reduced after (one rank here). Source: vLLM `RowParallelLinear`."
@@ -104,33 +142,57 @@ class RowParallelLinear(LinearBase):
 # %% ../../../nbs/30b_linear.ipynb #267b7a30
 class _ShardedLinear(ColumnParallelLinear):
     "Column-parallel matrix made of named row ranges (`self.shard_offsets`: id -> (offset, size))."
+
     shard_offsets: dict
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
-        if loaded_shard_id is None: return default_weight_loader(param, loaded_weight)  # already fused
+        if loaded_shard_id is None:
+            return default_weight_loader(param, loaded_weight)  # already fused
         if loaded_shard_id not in self.shard_offsets:
-            raise ValueError(f"unknown shard id {loaded_shard_id!r}; expected one of {list(self.shard_offsets)}")
+            raise ValueError(
+                f"unknown shard id {loaded_shard_id!r}; expected one of {list(self.shard_offsets)}"
+            )
         offset, size = self.shard_offsets[loaded_shard_id]
         default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+
 
 class MergedColumnParallelLinear(_ShardedLinear):
     """Several column-parallel matrices of `output_sizes` rows stacked into one (shard ids 0, 1, ...).
 
     weight: (sum(output_sizes), input_size). Source: vLLM model_executor/layers/linear.py `MergedColumnParallelLinear`."""
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype | None = None, prefix: str = ""):
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
         super().__init__(input_size, sum(output_sizes), bias, skip_bias_add, params_dtype, prefix)
         self.output_sizes = list(output_sizes)
         starts = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         self.shard_offsets = {i: (s, n) for i, (s, n) in enumerate(zip(starts, output_sizes))}
+
 
 class QKVParallelLinear(_ShardedLinear):
     """The q, k and v projections as one matrix of (total_num_heads + 2 * total_num_kv_heads) * head_size rows.
 
     Shard ids "q", "k", "v". `total_num_kv_heads` defaults to `total_num_heads` (no GQA).
     Source: vLLM model_executor/layers/linear.py `QKVParallelLinear`."""
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
-                 bias: bool = True, skip_bias_add: bool = False, params_dtype: torch.dtype | None = None, prefix: str = ""):
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
         self.head_size, self.total_num_heads = head_size, total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
         q, kv = total_num_heads * head_size, self.total_num_kv_heads * head_size

@@ -26,8 +26,16 @@ class RotaryEmbedding(CustomOp):
     `forward(positions: (T,) int64, query: (T, Hq*head_size), key: (T, Hkv*head_size) | None)` -> (query, key)
     rotated, same shapes and dtypes: new tensors from `forward_native`, the arguments rotated in place from
     `forward_cpu`. Source: vLLM rotary_embedding/base.py `RotaryEmbedding`; csrc/cpu/pos_encoding.cpp."""
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool = True, dtype: torch.dtype | None = None):
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool = True,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.head_size, self.rotary_dim, self.base = head_size, rotary_dim, base
         self.max_position_embeddings, self.is_neox_style = max_position_embeddings, is_neox_style
@@ -35,7 +43,12 @@ class RotaryEmbedding(CustomOp):
 
     def _compute_inv_freq(self, base: float) -> torch.Tensor:
         "(rotary_dim // 2,) float32 angular frequencies, computed as transformers does."
-        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim))
+        return 1.0 / (
+            base
+            ** (
+                torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim
+            )
+        )
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
         inv_freq = self._compute_inv_freq(self.base)
@@ -46,48 +59,74 @@ class RotaryEmbedding(CustomOp):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(x.shape[0], -1, self.head_size)  # (T, heads, head_size)
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         # Write both halves straight into one output (no torch.cat copies); same ops and order as x1*cos - x2*sin.
         out = torch.empty_like(x)
         if self.is_neox_style:
             x1, x2 = rot.chunk(2, dim=-1)
-            o1, o2 = out[..., :self.rotary_dim].chunk(2, dim=-1)
+            o1, o2 = out[..., : self.rotary_dim].chunk(2, dim=-1)
         else:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            o1, o2 = out[..., 0:self.rotary_dim:2], out[..., 1:self.rotary_dim:2]
+            o1, o2 = out[..., 0 : self.rotary_dim : 2], out[..., 1 : self.rotary_dim : 2]
         torch.mul(x1, cos, out=o1).sub_(x2 * sin)
         torch.mul(x2, cos, out=o2).add_(x1 * sin)
-        if rest.shape[-1]: out[..., self.rotary_dim:] = rest
+        if rest.shape[-1]:
+            out[..., self.rotary_dim :] = rest
         return out.view(shape)
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
-        cos, sin = self.cos_sin_cache.index_select(0, positions.flatten()).to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = (
+            self.cos_sin_cache.index_select(0, positions.flatten())
+            .to(query.dtype)
+            .unsqueeze(1)
+            .chunk(2, dim=-1)
+        )
         return self._rotate(query, cos, sin), (None if key is None else self._rotate(key, cos, sin))
 
     def forward_cuda(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         return self.forward_native(positions, query, key)  # no GPU kernel yet
 
     def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
-        if (not cpu_ops.can_use_cpu_ops(query, *(() if key is None else (key,)))
-                or self.cos_sin_cache.device.type != "cpu" or positions.device.type != "cpu"):
+        if (
+            not cpu_ops.can_use_cpu_ops(query, *(() if key is None else (key,)))
+            or self.cos_sin_cache.device.type != "cpu"
+            or positions.device.type != "cpu"
+        ):
             return self.forward_native(positions, query, key)
         positions = positions.flatten()
-        if positions.dtype != torch.int64 or not positions.is_contiguous(): positions = positions.to(torch.int64).contiguous()
-        try: cpu_ops.rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache,
-                                      self.is_neox_style)
-        except ValueError: return self.forward_native(positions, query, key)  # a layout the kernel does not take
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        try:
+            cpu_ops.rotary_embedding(
+                positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
+            )
+        except ValueError:
+            return self.forward_native(positions, query, key)  # a layout the kernel does not take
         return query, key
 
     def extra_repr(self) -> str:
-        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position_embeddings="
-                f"{self.max_position_embeddings}, base={self.base}, is_neox_style={self.is_neox_style}")
+        return (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position_embeddings="
+            f"{self.max_position_embeddings}, base={self.base}, is_neox_style={self.is_neox_style}"
+        )
 
 # %% ../../../nbs/31_rotary_embedding.ipynb #104e88d3
 class Llama3RotaryEmbedding(RotaryEmbedding):
     """RoPE with Llama 3.x frequency scaling (`rope_type: llama3`). Source: vLLM rotary_embedding/llama3_rope.py."""
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype | None, scaling_factor: float, low_freq_factor: float,
-                 high_freq_factor: float, orig_max_position: int):
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype | None,
+        scaling_factor: float,
+        low_freq_factor: float,
+        high_freq_factor: float,
+        orig_max_position: int,
+    ):
         self.scaling_factor, self.low_freq_factor = scaling_factor, low_freq_factor
         self.high_freq_factor, self.orig_max_position = high_freq_factor, orig_max_position
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
@@ -98,15 +137,27 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         low_wavelen = self.orig_max_position / self.low_freq_factor
         high_wavelen = self.orig_max_position / self.high_freq_factor
         scaled = torch.where(wavelen > low_wavelen, inv_freq / self.scaling_factor, inv_freq)
-        smooth = (self.orig_max_position / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smooth = (self.orig_max_position / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
         blended = (1 - smooth) * scaled / self.scaling_factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)
 
+
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
     """RoPE with every frequency divided by `scaling_factor` (`rope_type: linear`). Source: vLLM linear_scaling_rope.py."""
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype | None, scaling_factor: float):
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype | None,
+        scaling_factor: float,
+    ):
         self.scaling_factor = scaling_factor
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
 
@@ -116,9 +167,17 @@ class LinearScalingRotaryEmbedding(RotaryEmbedding):
 # %% ../../../nbs/31_rotary_embedding.ipynb #242cc799
 _ROPE_DICT: dict[tuple, RotaryEmbedding] = {}
 
-def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
-             rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True,
-             dtype: torch.dtype | None = None, rope_parameters: dict[str, Any] | None = None) -> RotaryEmbedding:
+
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+    is_neox_style: bool = True,
+    dtype: torch.dtype | None = None,
+    rope_parameters: dict[str, Any] | None = None,
+) -> RotaryEmbedding:
     """The (shared, cached) rotary embedding for these settings.
 
     `rope_scaling` (or transformers v5 `rope_parameters`, same dict) selects the variant by `rope_type`
@@ -126,18 +185,42 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
     Raises `ValueError` for other rope types. Source: vLLM rotary_embedding/__init__.py `get_rope`."""
     scaling = dict(rope_scaling or rope_parameters or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    key = (head_size, rotary_dim, max_position, float(base), is_neox_style, dtype, str(torch.get_default_device()),
-           tuple(sorted((k, str(v)) for k, v in scaling.items())), RotaryEmbedding.enabled(), current_platform_type())
-    if key in _ROPE_DICT: return _ROPE_DICT[key]
+    key = (
+        head_size,
+        rotary_dim,
+        max_position,
+        float(base),
+        is_neox_style,
+        dtype,
+        str(torch.get_default_device()),
+        tuple(sorted((k, str(v)) for k, v in scaling.items())),
+        RotaryEmbedding.enabled(),
+        current_platform_type(),
+    )
+    if key in _ROPE_DICT:
+        return _ROPE_DICT[key]
     if rope_type == "default":
         rope = RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, dtype)
     elif rope_type == "llama3":
-        rope = Llama3RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, dtype,
-                                     scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
-                                     scaling["original_max_position_embeddings"])
+        rope = Llama3RotaryEmbedding(
+            head_size,
+            rotary_dim,
+            max_position,
+            base,
+            is_neox_style,
+            dtype,
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+            scaling["original_max_position_embeddings"],
+        )
     elif rope_type == "linear":
-        rope = LinearScalingRotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, dtype, scaling["factor"])
+        rope = LinearScalingRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style, dtype, scaling["factor"]
+        )
     else:
-        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported; supported: default, llama3, linear")
+        raise ValueError(
+            f"rope_scaling: rope_type {rope_type!r} is not supported; supported: default, llama3, linear"
+        )
     _ROPE_DICT[key] = rope
     return rope

@@ -19,31 +19,53 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table weight (num_embeddings, embedding_dim), uninitialised until loaded.
 
     `forward(input_ids: (T,) int64)` -> (T, embedding_dim). Source: vLLM vocab_parallel_embedding.py `VocabParallelEmbedding`."""
-    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None, prefix: str = ""):
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=params_dtype or torch.get_default_dtype()),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, dtype=params_dtype or torch.get_default_dtype()),
+            requires_grad=False,
+        )
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor: return F.embedding(input_ids, self.weight)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
 
-    def extra_repr(self) -> str: return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection (num_embeddings, embedding_dim); logits = hidden @ weight.T (see the model's `compute_logits`).
 
     Source: vLLM vocab_parallel_embedding.py `ParallelLMHead`."""
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
-                 params_dtype: torch.dtype | None = None, prefix: str = ""):
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
         super().__init__(num_embeddings, embedding_dim, params_dtype, prefix)
         if bias:
-            self.bias = nn.Parameter(torch.empty(num_embeddings, dtype=self.weight.dtype), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(num_embeddings, dtype=self.weight.dtype), requires_grad=False
+            )
             self.bias.weight_loader = self.weight_loader
-        else: self.register_parameter("bias", None)
+        else:
+            self.register_parameter("bias", None)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
         "Share `embed_tokens.weight` (tie_word_embeddings); returns self."
@@ -54,7 +76,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """On the CPU, also keep a oneDNN-prepacked copy for the logits matmul (`unquantized_gemm(lm_head, ...)`);
         the plain weight stays, since a tied head shares it with the embedding. Source: vLLM
         vocab_parallel_embedding.py `UnquantizedEmbeddingMethod.process_weights_after_loading`."""
-        if self.weight.device.type == "cpu": dispatch_cpu_unquantized_gemm(self, remove_weight=False)
+        if self.weight.device.type == "cpu":
+            dispatch_cpu_unquantized_gemm(self, remove_weight=False)
 
     def forward(self, input_):
         raise RuntimeError("ParallelLMHead is applied by the model's compute_logits(), not called directly")

@@ -13,9 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...attention.layer import Attention
-from ..layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                                   unquantized_gemm,
-                                                   default_weight_loader)
+from minivllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    unquantized_gemm,
+    default_weight_loader,
+)
 from ..layers.rotary_embedding import get_rope
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from .llama import LlamaForCausalLM, get_head_dim, maybe_prefix
@@ -31,6 +35,7 @@ class GemmaRMSNorm(nn.Module):
     weight: (hidden_size,), zeros at init (identity scale). `forward(x)` -> y; `forward(x, residual)` first sets
     residual = x + residual (in x's dtype) and returns (norm(residual), residual). Source: vLLM
     model_executor/layers/layernorm.py `GemmaRMSNorm`."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.hidden_size, self.variance_epsilon = hidden_size, eps
@@ -45,14 +50,18 @@ class GemmaRMSNorm(nn.Module):
         out = (xf * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
 
-    def extra_repr(self) -> str: return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"
+
 
 class GeluAndMul(nn.Module):
     """gelu(x[..., :d]) * x[..., d:] for x of last dim 2d -> (..., d); `approximate` "none" or "tanh".
     Source: vLLM model_executor/layers/activation.py `GeluAndMul`."""
+
     def __init__(self, approximate: str = "none"):
         super().__init__()
-        if approximate not in ("none", "tanh"): raise ValueError(f"approximate must be 'none' or 'tanh'; got {approximate!r}")
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh'; got {approximate!r}")
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,18 +70,25 @@ class GeluAndMul(nn.Module):
 
 # %% ../../../nbs/35b_gemma3.ipynb #d45d4774
 def get_gemma3_layer_types(config: Any) -> list[str]:
-    """"sliding_attention" or "full_attention" for each of the `num_hidden_layers` layers: `config.layer_types`,
+    """ "sliding_attention" or "full_attention" for each of the `num_hidden_layers` layers: `config.layer_types`,
     else from `sliding_window_pattern` (default 6: every 6th layer is global). Raises `ValueError` for a
     `layer_types` of the wrong length or with other values."""
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
     if types is None:
-        pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", None) or 6
+        pattern = (
+            getattr(config, "sliding_window_pattern", None)
+            or getattr(config, "_sliding_window_pattern", None)
+            or 6
+        )
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     types = list(types)
     if len(types) < n or any(t not in ("sliding_attention", "full_attention") for t in types[:n]):
-        raise ValueError(f"layer_types must give 'sliding_attention' or 'full_attention' for {n} layers; got {types}")
+        raise ValueError(
+            f"layer_types must give 'sliding_attention' or 'full_attention' for {n} layers; got {types}"
+        )
     return types[:n]
+
 
 def get_gemma3_rope_settings(config: Any, layer_type: str) -> tuple[float, dict | None]:
     """(rope base, scaling dict or None) of a layer type: transformers v5 `rope_parameters[layer_type]`, else the
@@ -91,19 +107,24 @@ def get_gemma3_rope_settings(config: Any, layer_type: str) -> tuple[float, dict 
 class Gemma3MLP(nn.Module):
     """down_proj(gelu_tanh(gate) * up), gate/up fused: (T, hidden_size) -> (T, hidden_size).
     Raises `ValueError` unless `hidden_activation` is gelu_pytorch_tanh. Source: vLLM gemma3.py `Gemma3MLP`."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_activation: str, prefix: str = ""):
         super().__init__()
         if hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation: Gemma 3 uses gelu_pytorch_tanh; got {hidden_activation!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
-                                                       prefix=maybe_prefix(prefix, "gate_up_proj"))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, prefix=maybe_prefix(prefix, "down_proj"))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, prefix=maybe_prefix(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, prefix=maybe_prefix(prefix, "down_proj")
+        )
         self.act_fn = GeluAndMul(approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(x)
         out, _ = self.down_proj(self.act_fn(gate_up))
         return out
+
 
 class Gemma3Attention(nn.Module):
     """qkv_proj -> per-head q_norm/k_norm -> RoPE of this layer's type -> paged `Attention` -> o_proj.
@@ -112,30 +133,49 @@ class Gemma3Attention(nn.Module):
     "full_attention" ones. `forward(positions: (T,), hidden_states: (T, hidden_size))` -> (T, hidden_size).
     Raises `ValueError` for `use_bidirectional_attention` (embedding variants; minivllm attends causally).
     Source: vLLM gemma3.py `Gemma3Attention`."""
+
     def __init__(self, config: Any, layer_idx: int, prefix: str = ""):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention: bidirectional Gemma 3 (embedding models) is not supported; "
-                             "minivllm's attention is causal")
+            raise ValueError(
+                "use_bidirectional_attention: bidirectional Gemma 3 (embedding models) is not supported; "
+                "minivllm's attention is causal"
+            )
         self.layer_type = get_gemma3_layer_types(config)[layer_idx]
         self.is_sliding = self.layer_type == "sliding_attention"
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = get_head_dim(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scaling = config.query_pre_attn_scalar ** -0.5
+        self.scaling = config.query_pre_attn_scalar**-0.5
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias,
-                                          prefix=maybe_prefix(prefix, "qkv_proj"))
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bias, prefix=maybe_prefix(prefix, "o_proj"))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=bias,
+            prefix=maybe_prefix(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size, config.hidden_size, bias=bias, prefix=maybe_prefix(prefix, "o_proj")
+        )
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         base, scaling = get_gemma3_rope_settings(config, self.layer_type)
-        self.rotary_emb = get_rope(self.head_dim, self.head_dim, config.max_position_embeddings, base, rope_scaling=scaling)
+        self.rotary_emb = get_rope(
+            self.head_dim, self.head_dim, config.max_position_embeddings, base, rope_scaling=scaling
+        )
         self.sliding_window = config.sliding_window if self.is_sliding else None
         # transformers' Gemma 3 does not apply attn_logit_softcapping, and neither does vLLM's: no logits_soft_cap.
-        self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
-                              prefix=maybe_prefix(prefix, "attn"), sliding_window=self.sliding_window)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.scaling,
+            self.num_kv_heads,
+            prefix=maybe_prefix(prefix, "attn"),
+            sliding_window=self.sliding_window,
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
@@ -151,49 +191,67 @@ class Gemma3Attention(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich-norm decoder block. `forward(positions, hidden_states: (T, H), residual: (T, H) | None)` ->
     (hidden_states, residual); their sum is the layer's output. Source: vLLM gemma3.py `Gemma3DecoderLayer`."""
+
     def __init__(self, config: Any, layer_idx: int, prefix: str = ""):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, layer_idx, prefix=maybe_prefix(prefix, "self_attn"))
-        self.mlp = Gemma3MLP(H, config.intermediate_size, getattr(config, "hidden_activation", "gelu_pytorch_tanh"),
-                             prefix=maybe_prefix(prefix, "mlp"))
+        self.mlp = Gemma3MLP(
+            H,
+            config.intermediate_size,
+            getattr(config, "hidden_activation", "gelu_pytorch_tanh"),
+            prefix=maybe_prefix(prefix, "mlp"),
+        )
         self.input_layernorm = GemmaRMSNorm(H, eps)
         self.post_attention_layernorm = GemmaRMSNorm(H, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None: hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else: hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
         return hidden_states, residual
+
 
 class Gemma3Model(nn.Module):
     """Scaled embedding, `num_hidden_layers` decoder layers, final norm.
 
     `forward(input_ids: (T,) int64, positions: (T,) int64, inputs_embeds: (T, H) | None)` -> (T, H); given
     `inputs_embeds` are used as they are (already scaled). Source: vLLM gemma3.py `Gemma3Model`."""
+
     def __init__(self, config: Any, prefix: str = ""):
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens"))
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
-                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # A buffer in the model dtype: in bfloat16 sqrt(hidden) rounds (sqrt(3072) = 55.43 -> 55.5) and transformers keeps that rounding.
-        self.register_buffer("normalizer", torch.tensor(config.hidden_size ** 0.5), persistent=False)
+        self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5), persistent=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.embed_tokens(input_ids)
         return emb * self.normalizer.to(emb.dtype)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
-        for layer in self.layers: hidden_states, residual = layer(positions, hidden_states, residual)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -206,28 +264,47 @@ class Gemma3ForCausalLM(nn.Module):
     `final_logit_softcapping` when set; `load_weights(Iterable[(hf_name, tensor)])` -> set of parameter names fully
     loaded (raises `KeyError` for an unknown name). Config from `vllm_config.model_config.hf_text_config`.
     Source: vLLM gemma3.py `Gemma3ForCausalLM`."""
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-                              (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
 
     def __init__(self, vllm_config: Any, prefix: str = ""):
         super().__init__()
         self.config = config = vllm_config.model_config.hf_text_config
         self.vllm_config = vllm_config
         self.model = Gemma3Model(config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if getattr(config, "tie_word_embeddings", True): self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+        )
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_soft_cap = getattr(config, "final_logit_softcapping", None)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: return self.model.embed_input_ids(input_ids)
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = unquantized_gemm(self.lm_head, hidden_states, self.lm_head.weight).float()
-        if self.logits_soft_cap: logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
+        if self.logits_soft_cap:
+            logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
         return logits
 
     # Same checkpoint mapping as Llama (fused qkv_proj / gate_up_proj shards, tied lm_head skipped):

@@ -15,9 +15,13 @@ from torch import nn
 from ...attention.layer import Attention
 from ..layers.activation import SiluAndMul
 from ..layers.layernorm import RMSNorm
-from ..layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                                   unquantized_gemm,
-                                                   default_weight_loader)
+from minivllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    unquantized_gemm,
+    default_weight_loader,
+)
 from ..layers.rotary_embedding import get_rope
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -30,9 +34,11 @@ def maybe_prefix(prefix: str, name: str) -> str:
     "`prefix.name`, or `name` if prefix is empty. Source: vLLM model_executor/models/utils.py `maybe_prefix`."
     return f"{prefix}.{name}" if prefix else name
 
+
 def get_head_dim(config: Any) -> int:
     "`head_dim` if the config sets it, else hidden_size // num_attention_heads."
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
 
 def get_rope_settings(config: Any) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from transformers v5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
@@ -41,23 +47,37 @@ def get_rope_settings(config: Any) -> tuple[float, dict | None]:
     scaling = params or getattr(config, "rope_scaling", None)
     return float(theta), (dict(scaling) if scaling else None)
 
+
 def get_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
     """The attention window of layer `layer_idx`: per `layer_types` if present ("sliding_attention"), else the global
     `sliding_window` (Mistral), else None (full attention)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None: return window if layer_types[layer_idx] == "sliding_attention" else None
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
     return window
 
 # %% ../../../nbs/34_llama.ipynb #9c6bf1f9
 class LlamaMLP(nn.Module):
     """down_proj(silu(gate) * up) with gate/up fused: (T, hidden_size) -> (T, hidden_size). Source: vLLM llama.py `LlamaMLP`."""
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False, prefix: str = ""):
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        bias: bool = False,
+        prefix: str = "",
+    ):
         super().__init__()
-        if hidden_act != "silu": raise ValueError(f"hidden_act: only silu is supported; got {hidden_act!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                                       prefix=maybe_prefix(prefix, "gate_up_proj"))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, prefix=maybe_prefix(prefix, "down_proj"))
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act: only silu is supported; got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=maybe_prefix(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, prefix=maybe_prefix(prefix, "down_proj")
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,25 +85,53 @@ class LlamaMLP(nn.Module):
         out, _ = self.down_proj(self.act_fn(gate_up))
         return out
 
+
 class LlamaAttention(nn.Module):
     """Self-attention: qkv_proj -> (q/k norm hook) -> RoPE -> paged `Attention` -> o_proj.
 
     `forward(positions: (T,), hidden_states: (T, hidden_size))` -> (T, hidden_size). Source: vLLM llama.py `LlamaAttention`."""
-    def __init__(self, config: Any, hidden_size: int, num_heads: int, num_kv_heads: int, max_position_embeddings: int,
-                 bias: bool = False, bias_o_proj: bool = False, sliding_window: int | None = None, prefix: str = ""):
+
+    def __init__(
+        self,
+        config: Any,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        sliding_window: int | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim = get_head_dim(config)
         self.q_size, self.kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
-        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, num_heads, num_kv_heads, bias=bias,
-                                          prefix=maybe_prefix(prefix, "qkv_proj"))
-        self.o_proj = RowParallelLinear(self.q_size, hidden_size, bias=bias_o_proj, prefix=maybe_prefix(prefix, "o_proj"))
+        self.scaling = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size,
+            self.head_dim,
+            num_heads,
+            num_kv_heads,
+            bias=bias,
+            prefix=maybe_prefix(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size, hidden_size, bias=bias_o_proj, prefix=maybe_prefix(prefix, "o_proj")
+        )
         theta, scaling = get_rope_settings(config)
         rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
-        self.rotary_emb = get_rope(self.head_dim, rotary_dim, max_position_embeddings, theta, rope_scaling=scaling)
-        self.attn = Attention(num_heads, self.head_dim, self.scaling, num_kv_heads, prefix=maybe_prefix(prefix, "attn"),
-                              sliding_window=sliding_window)
+        self.rotary_emb = get_rope(
+            self.head_dim, rotary_dim, max_position_embeddings, theta, rope_scaling=scaling
+        )
+        self.attn = Attention(
+            num_heads,
+            self.head_dim,
+            self.scaling,
+            num_kv_heads,
+            prefix=maybe_prefix(prefix, "attn"),
+            sliding_window=sliding_window,
+        )
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
@@ -103,51 +151,80 @@ class LlamaDecoderLayer(nn.Module):
     `forward(positions, hidden_states: (T, H), residual: (T, H) | None)` -> (hidden_states, residual); the
     caller adds them after the last layer. `attn_cls` is the attention class (subclasses swap it).
     Source: vLLM llama.py `LlamaDecoderLayer`."""
+
     attn_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config: Any, prefix: str = "", layer_idx: int = 0):
         super().__init__()
         bias = getattr(config, "attention_bias", False)
         self.self_attn = self.attn_cls(
-            config, config.hidden_size, config.num_attention_heads,
+            config,
+            config.hidden_size,
+            config.num_attention_heads,
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            config.max_position_embeddings, bias=self._qkv_bias(config), bias_o_proj=bias,
-            sliding_window=get_layer_sliding_window(config, layer_idx), prefix=maybe_prefix(prefix, "self_attn"))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                            bias=getattr(config, "mlp_bias", False), prefix=maybe_prefix(prefix, "mlp"))
+            config.max_position_embeddings,
+            bias=self._qkv_bias(config),
+            bias_o_proj=bias,
+            sliding_window=get_layer_sliding_window(config, layer_idx),
+            prefix=maybe_prefix(prefix, "self_attn"),
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "hidden_act", "silu"),
+            bias=getattr(config, "mlp_bias", False),
+            prefix=maybe_prefix(prefix, "mlp"),
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @staticmethod
-    def _qkv_bias(config: Any) -> bool: return getattr(config, "attention_bias", False)
+    def _qkv_bias(config: Any) -> bool:
+        return getattr(config, "attention_bias", False)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None: hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else: hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
 
 class LlamaModel(nn.Module):
     """Embedding, `num_hidden_layers` decoder layers of `layer_type`, final norm.
 
     `forward(input_ids: (T,) int64, positions: (T,) int64, inputs_embeds: (T, H) | None)` -> (T, H).
     Source: vLLM llama.py `LlamaModel`."""
-    def __init__(self, config: Any, prefix: str = "", layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer):
+
+    def __init__(
+        self, config: Any, prefix: str = "", layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    ):
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens"))
-        self.layers = nn.ModuleList(layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i)
-                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: return self.embed_tokens(input_ids)
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
-        for layer in self.layers: hidden_states, residual = layer(positions, hidden_states, residual)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -159,9 +236,18 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits(hidden_states: (n, hidden_size))` -> (n, vocab_size) float32;
     `load_weights(Iterable[(hf_name, tensor)])` -> set of parameter names fully loaded (a fused parameter counts
     once all its shards arrived; raises `KeyError` for an unknown name). Config from `vllm_config.model_config.hf_text_config`. Source: vLLM llama.py `LlamaForCausalLM`."""
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-                              (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
     layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, vllm_config: Any, prefix: str = ""):
@@ -169,13 +255,22 @@ class LlamaForCausalLM(nn.Module):
         self.config = config = vllm_config.model_config.hf_text_config
         self.vllm_config = vllm_config
         self.model = LlamaModel(config, prefix=maybe_prefix(prefix, "model"), layer_type=self.layer_type)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if getattr(config, "tie_word_embeddings", False): self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+        )
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: return self.model.embed_input_ids(input_ids)
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -187,9 +282,11 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         shards: dict[str, set] = {}  # fused parameter -> shard ids seen
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")): continue
+            if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
+                continue
             for param_name, weight_name, shard_id in self.stacked_params_mapping:
-                if weight_name not in name: continue
+                if weight_name not in name:
+                    continue
                 name = name.replace(weight_name, param_name)
                 self._param(params, name).weight_loader(params[name], tensor, shard_id)
                 shards.setdefault(name, set()).add(shard_id)
@@ -200,10 +297,12 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
         for name, seen in shards.items():  # a fused parameter is loaded only when all its shards are
             expected = {s for p, _, s in self.stacked_params_mapping if p in name}
-            if seen >= expected: loaded.add(name)
+            if seen >= expected:
+                loaded.add(name)
         return loaded
 
     @staticmethod
     def _param(params: dict, name: str) -> nn.Parameter:
-        if name not in params: raise KeyError(f"checkpoint weight {name!r} has no matching parameter in the model")
+        if name not in params:
+            raise KeyError(f"checkpoint weight {name!r} has no matching parameter in the model")
         return params[name]

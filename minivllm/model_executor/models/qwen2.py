@@ -15,9 +15,13 @@ __all__ = ['Qwen2DecoderLayer', 'Qwen2ForCausalLM']
 # %% ../../../nbs/35_qwen2.ipynb #a55d25db
 class Qwen2DecoderLayer(LlamaDecoderLayer):
     "Llama decoder layer with bias on q/k/v (o_proj has none). Source: vLLM qwen2.py `Qwen2DecoderLayer`."
+
     @staticmethod
-    def _qkv_bias(config: Any) -> bool: return True
+    def _qkv_bias(config: Any) -> bool:
+        return True
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5 causal LM; same API as `LlamaForCausalLM`. Source: vLLM qwen2.py `Qwen2ForCausalLM`."""
+
     layer_type = Qwen2DecoderLayer

@@ -19,6 +19,7 @@ __all__ = ['Qwen3Attention', 'Qwen3DecoderLayer', 'Qwen3ForCausalLM']
 class Qwen3Attention(LlamaAttention):
     """Llama attention with RMSNorm over each head of q and k (`q_norm`, `k_norm`, weight (head_dim,)) before RoPE.
     Source: vLLM qwen3.py `Qwen3Attention`."""
+
     def __init__(self, config: Any, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -30,10 +31,14 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)).view(T, self.kv_size)
         return q, k
 
+
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     "Llama decoder layer with `Qwen3Attention`. Source: vLLM qwen3.py `Qwen3DecoderLayer`."
+
     attn_cls = Qwen3Attention
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense) causal LM; same API as `LlamaForCausalLM`. Source: vLLM qwen3.py `Qwen3ForCausalLM`."""
+
     layer_type = Qwen3DecoderLayer

@@ -10,9 +10,16 @@ from collections.abc import Iterable, Sequence
 
 from ...distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .kv_cache_metrics import KVCacheMetricsCollector
-from .kv_cache_utils import (BlockHash, BlockHashListWithBlockSize, BlockHashWithGroupId,
-                                             FreeKVCacheBlockQueue, KVCacheBlock, get_block_hash,
-                                             make_block_hash_with_group_id, maybe_convert_block_hash)
+from minivllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    get_block_hash,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,52 +30,76 @@ __all__ = ['logger', 'BlockHashToBlockMap', 'BlockPool']
 class BlockHashToBlockMap:
     """Prefix-cache index: key → one `KVCacheBlock`, or `{block_id: block}` when several blocks share the key.
     Source: vLLM v1/core/block_pool.py `BlockHashToBlockMap`."""
+
     def __init__(self):
         self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         "Any block cached under `key`, or None."
         blocks = self._cache.get(key)
-        if blocks is None or isinstance(blocks, KVCacheBlock): return blocks
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
         return next(iter(blocks.values()))
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         "Add `block` under `key` (duplicates kept)."
         blocks = self._cache.get(key)
-        if blocks is None: self._cache[key] = block
-        elif isinstance(blocks, KVCacheBlock): self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
-        else: blocks[block.block_id] = block
+        if blocks is None:
+            self._cache[key] = block
+        elif isinstance(blocks, KVCacheBlock):
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         "Remove and return block `block_id` from under `key`; None if it is not there."
         blocks = self._cache.get(key)
-        if blocks is None: return None
+        if blocks is None:
+            return None
         if isinstance(blocks, KVCacheBlock):
-            if blocks.block_id != block_id: return None
+            if blocks.block_id != block_id:
+                return None
             del self._cache[key]
             return blocks
         block = blocks.pop(block_id, None)
-        if len(blocks) == 1: self._cache[key] = next(iter(blocks.values()))
-        elif not blocks: del self._cache[key]
+        if len(blocks) == 1:
+            self._cache[key] = next(iter(blocks.values()))
+        elif not blocks:
+            del self._cache[key]
         return block
 
-    def __len__(self) -> int: return len(self._cache)
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def items(self) -> Iterable[tuple[BlockHashWithGroupId, KVCacheBlock]]:
         "Every (key, block) pair (walks the map: for tests and debugging)."
         for key, blocks in self._cache.items():
-            if isinstance(blocks, KVCacheBlock): yield key, blocks
-            else: yield from ((key, b) for b in blocks.values())
+            if isinstance(blocks, KVCacheBlock):
+                yield key, blocks
+            else:
+                yield from ((key, b) for b in blocks.values())
 
 # %% ../../../nbs/12_block_pool.ipynb #6546bf83
 class BlockPool:
     """All `num_gpu_blocks` KV cache blocks: allocation, freeing, prefix-cache index and eviction. Block 0 is the
     null block. `hash_block_size` is the token count per entry of `request.block_hashes`.
     Source: vLLM v1/core/block_pool.py `BlockPool`."""
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                 enable_kv_cache_events: bool = False, metrics_collector: KVCacheMetricsCollector | None = None):
-        if num_gpu_blocks < 1: raise ValueError(f"num_gpu_blocks must be >= 1 (block 0 is the null block); got {num_gpu_blocks}")
-        self.num_gpu_blocks, self.enable_caching, self.hash_block_size = num_gpu_blocks, enable_caching, hash_block_size
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ):
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1 (block 0 is the null block); got {num_gpu_blocks}")
+        self.num_gpu_blocks, self.enable_caching, self.hash_block_size = (
+            num_gpu_blocks,
+            enable_caching,
+            hash_block_size,
+        )
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
@@ -93,41 +124,71 @@ class BlockPool:
         return events
 
 # %% ../../../nbs/12_block_pool.ipynb #cc582e98
-def _get_cached_block(self: BlockPool, block_hash: BlockHash, kv_cache_group_ids: list[int]
-                     ) -> list[KVCacheBlock] | None:
+def _get_cached_block(
+    self: BlockPool, block_hash: BlockHash, kv_cache_group_ids: list[int]
+) -> list[KVCacheBlock] | None:
     "One cached block per group in `kv_cache_group_ids` for `block_hash`, or None if any group misses."
     blocks = []
     for group_id in kv_cache_group_ids:
-        block = self.cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(block_hash, group_id))
-        if block is None: return None
+        block = self.cached_block_hash_to_block.get_one_block(
+            make_block_hash_with_group_id(block_hash, group_id)
+        )
+        if block is None:
+            return None
         blocks.append(block)
     return blocks
 
-def _cache_full_blocks(self: BlockPool, request, blocks: list[KVCacheBlock], num_cached_blocks: int,
-                      num_full_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+
+def _cache_full_blocks(
+    self: BlockPool,
+    request,
+    blocks: list[KVCacheBlock],
+    num_cached_blocks: int,
+    num_full_blocks: int,
+    block_size: int,
+    kv_cache_group_id: int,
+) -> None:
     """Register `blocks[num_cached_blocks:num_full_blocks]` of `request` in the prefix cache under its block hashes
     (at `block_size` tokens per block). Emits one `BlockStored` when events are on."""
-    if num_cached_blocks >= num_full_blocks: return
+    if num_cached_blocks >= num_full_blocks:
+        return
     new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
-    block_hashes = (request.block_hashes if block_size == self.hash_block_size else
-                    BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size, block_size))
+    block_hashes = (
+        request.block_hashes
+        if block_size == self.hash_block_size
+        else BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size, block_size)
+    )
     assert len(block_hashes) >= num_full_blocks, (
-        f"request {request.request_id} has {len(block_hashes)} block hashes, needs {num_full_blocks}")
+        f"request {request.request_id} has {len(block_hashes)} block hashes, needs {num_full_blocks}"
+    )
     new_hashes: list = []
     for i, blk in enumerate(new_full_blocks, start=num_cached_blocks):
-        if blk.is_null: continue
+        if blk.is_null:
+            continue
         block_hash = block_hashes[i]
         key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
         blk.block_hash = key
         self.cached_block_hash_to_block.insert(key, blk)
-        if self.enable_kv_cache_events: new_hashes.append(maybe_convert_block_hash(block_hash))
+        if self.enable_kv_cache_events:
+            new_hashes.append(maybe_convert_block_hash(block_hash))
     if self.enable_kv_cache_events and new_hashes:
-        parent = None if num_cached_blocks == 0 else maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
+        parent = (
+            None if num_cached_blocks == 0 else maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
+        )
         lora = getattr(request, "lora_request", None)
-        self.kv_event_queue.append(BlockStored(
-            block_hashes=new_hashes, parent_block_hash=parent,
-            token_ids=list(request.all_token_ids[num_cached_blocks * block_size:num_full_blocks * block_size]),
-            block_size=block_size, lora_id=getattr(lora, "lora_int_id", None), medium="GPU"))
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=new_hashes,
+                parent_block_hash=parent,
+                token_ids=list(
+                    request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+                ),
+                block_size=block_size,
+                lora_id=getattr(lora, "lora_int_id", None),
+                medium="GPU",
+            )
+        )
+
 
 BlockPool.get_cached_block, BlockPool.cache_full_blocks = _get_cached_block, _cache_full_blocks
 
@@ -135,44 +196,61 @@ BlockPool.get_cached_block, BlockPool.cache_full_blocks = _get_cached_block, _ca
 def _get_new_blocks(self: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
     "Take `num_blocks` free blocks (ref_cnt → 1), evicting cached ones. Raises `ValueError` if not enough are free."
     if num_blocks > self.get_num_free_blocks():
-        raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
+        raise ValueError(
+            f"Cannot get {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)"
+        )
     blocks = self.free_block_queue.popleft_n(num_blocks)
     for block in blocks:
-        if self.enable_caching: self._maybe_evict_cached_block(block)
+        if self.enable_caching:
+            self._maybe_evict_cached_block(block)
         assert block.ref_cnt == 0, block
         block.ref_cnt += 1
-        if self.metrics_collector is not None: self.metrics_collector.on_block_allocated(block)
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_allocated(block)
     return blocks
+
 
 def _maybe_evict_cached_block(self: BlockPool, block: KVCacheBlock) -> bool:
     "Drop `block` from the prefix cache if it is there (reset its hash, queue `BlockRemoved`); True if it was."
-    if self.metrics_collector is not None: self.metrics_collector.on_block_evicted(block)
+    if self.metrics_collector is not None:
+        self.metrics_collector.on_block_evicted(block)
     key = block.block_hash
-    if key is None: return False
-    if self.cached_block_hash_to_block.pop(key, block.block_id) is None: return False
+    if key is None:
+        return False
+    if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
+        return False
     block.reset_hash()
     if self.enable_kv_cache_events:
-        self.kv_event_queue.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                                                medium="GPU"))
+        self.kv_event_queue.append(
+            BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(key))], medium="GPU")
+        )
     return True
+
 
 def _touch(self: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
     "Claim prefix-cache hits: leave the free queue if free, ref_cnt += 1 (the null block is left alone)."
     for block in blocks:
-        if block.is_null: continue
-        if block.ref_cnt == 0: self.free_block_queue.remove(block)
+        if block.is_null:
+            continue
+        if block.ref_cnt == 0:
+            self.free_block_queue.remove(block)
         block.ref_cnt += 1
-        if self.metrics_collector is not None: self.metrics_collector.on_block_accessed(block)
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_accessed(block)
+
 
 def _free_blocks(self: BlockPool, ordered_blocks: Iterable[KVCacheBlock]) -> None:
     "Drop one reference per block; blocks reaching 0 join the queue's back in the given order (evicted first = first given)."
     to_free = []
     for block in ordered_blocks:
-        if block.is_null: continue
+        if block.is_null:
+            continue
         block.ref_cnt -= 1
         assert block.ref_cnt >= 0, block
-        if block.ref_cnt == 0: to_free.append(block)
+        if block.ref_cnt == 0:
+            to_free.append(block)
     self.free_block_queue.append_n(to_free)
+
 
 BlockPool.get_new_blocks, BlockPool._maybe_evict_cached_block = _get_new_blocks, _maybe_evict_cached_block
 BlockPool.touch, BlockPool.free_blocks = _touch, _free_blocks
@@ -182,7 +260,9 @@ def _evict_blocks(self: BlockPool, block_ids: Iterable[int]) -> None:
     "Remove the blocks `block_ids` from the prefix cache (they stay allocated or free as they were)."
     for block_id in block_ids:
         block = self.blocks[block_id]
-        if not block.is_null: self._maybe_evict_cached_block(block)
+        if not block.is_null:
+            self._maybe_evict_cached_block(block)
+
 
 def _reset_prefix_cache(self: BlockPool) -> bool:
     "Forget every cached hash; only when no block but the null block is in use. True on success."
@@ -191,10 +271,14 @@ def _reset_prefix_cache(self: BlockPool) -> bool:
         logger.warning("Failed to reset prefix cache: %d blocks are still in use", num_used_blocks - 1)
         return False
     self.cached_block_hash_to_block = BlockHashToBlockMap()
-    for block in self.blocks: block.reset_hash()
-    if self.metrics_collector is not None: self.metrics_collector.reset()
-    if self.enable_kv_cache_events: self.kv_event_queue.append(AllBlocksCleared())
+    for block in self.blocks:
+        block.reset_hash()
+    if self.metrics_collector is not None:
+        self.metrics_collector.reset()
+    if self.enable_kv_cache_events:
+        self.kv_event_queue.append(AllBlocksCleared())
     logger.info("Successfully reset prefix cache")
     return True
+
 
 BlockPool.evict_blocks, BlockPool.reset_prefix_cache = _evict_blocks, _reset_prefix_cache

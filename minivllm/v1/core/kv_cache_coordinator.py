@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from .block_pool import BlockPool
 from .kv_cache_metrics import KVCacheMetricsCollector
 from .kv_cache_utils import BlockHash, BlockHashListWithBlockSize, KVCacheBlock
-from .single_type_kv_cache_manager import (CrossAttentionManager, SingleTypeKVCacheManager,
-                                                          get_manager_for_kv_cache_spec)
+from minivllm.v1.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
 from ..kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 # %% auto #0
@@ -24,54 +27,98 @@ __all__ = ['KVCacheCoordinator', 'KVCacheCoordinatorNoPrefixCache', 'UnitaryKVCa
 class KVCacheCoordinator(ABC):
     """Runs each operation over every KV cache group's manager; owns the shared `BlockPool` of
     `kv_cache_config.num_blocks` blocks. Source: vLLM v1/core/kv_cache_coordinator.py `KVCacheCoordinator`."""
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, use_eagle: bool, enable_caching: bool,
-                 enable_kv_cache_events: bool, dcp_world_size: int, hash_block_size: int,
-                 metrics_collector: KVCacheMetricsCollector | None = None):
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        hash_block_size: int,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ):
         self.kv_cache_config, self.max_model_len = kv_cache_config, max_model_len
         self.use_eagle, self.enable_caching, self.dcp_world_size = use_eagle, enable_caching, dcp_world_size
         self.hash_block_size = hash_block_size
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
-                                    enable_kv_cache_events, metrics_collector)
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            metrics_collector,
+        )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(g.kv_cache_spec, block_pool=self.block_pool, enable_caching=enable_caching,
-                                          kv_cache_group_id=i, dcp_world_size=dcp_world_size)
-            for i, g in enumerate(kv_cache_config.kv_cache_groups))
+            get_manager_for_kv_cache_spec(
+                g.kv_cache_spec,
+                block_pool=self.block_pool,
+                enable_caching=enable_caching,
+                kv_cache_group_id=i,
+                dcp_world_size=dcp_world_size,
+            )
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        )
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: tuple[Sequence[KVCacheBlock], ...], num_encoder_tokens: int,
-                                   total_computed_tokens: int, num_tokens_main_model: int) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+    ) -> int:
         "Free blocks needed over all groups to give the request `num_tokens` slots (cross-attention: encoder tokens)."
         n = 0
         for i, manager in enumerate(self.single_type_managers):
             if isinstance(manager, CrossAttentionManager):
-                n += manager.get_num_blocks_to_allocate(request_id, num_encoder_tokens, [], 0, num_encoder_tokens)
+                n += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, [], 0, num_encoder_tokens
+                )
             else:
-                n += manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
-                                                        total_computed_tokens, num_tokens_main_model)
+                n += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_tokens_main_model,
+                )
         return n
 
-    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
-                                     num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
         "Give a new request its prefix-cache hits (and blocks for externally computed tokens) in every group."
         for manager, blocks in zip(self.single_type_managers, new_computed_blocks):
-            manager.allocate_new_computed_blocks(request_id, blocks, num_local_computed_tokens,
-                                                 num_external_computed_tokens)
+            manager.allocate_new_computed_blocks(
+                request_id, blocks, num_local_computed_tokens, num_external_computed_tokens
+            )
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
-                            num_encoder_tokens: int = 0) -> tuple[list[KVCacheBlock], ...]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
         "Grow every group's block list to cover `num_tokens` tokens; the new blocks per group."
         return tuple(
-            m.allocate_new_blocks(request_id, num_encoder_tokens, num_encoder_tokens) if isinstance(m, CrossAttentionManager)
+            m.allocate_new_blocks(request_id, num_encoder_tokens, num_encoder_tokens)
+            if isinstance(m, CrossAttentionManager)
             else m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
-            for m in self.single_type_managers)
+            for m in self.single_type_managers
+        )
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         "Register every group's newly full blocks within the first `num_computed_tokens` tokens."
-        for manager in self.single_type_managers: manager.cache_blocks(request, num_computed_tokens)
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
         "Release the request's blocks in every group."
-        for manager in self.single_type_managers: manager.free(request_id)
+        for manager in self.single_type_managers:
+            manager.free(request_id)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         "Per group: leading blocks of `running_request_id` shared by all running requests."
@@ -79,28 +126,48 @@ class KVCacheCoordinator(ABC):
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         "Return blocks no longer attended to (outside windows, old states) to the pool, in every group."
-        for manager in self.single_type_managers: manager.remove_skipped_blocks(request_id, total_computed_tokens)
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, total_computed_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         "The request's block list in each group (empty lists when unknown)."
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
-                               ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         "Cached blocks per group and the hit length in tokens (<= `max_cache_hit_length`), the same for all groups."
 
     def _block_hashes_for(self, block_hashes: list[BlockHash], block_size: int):
-        if block_size == self.hash_block_size: return block_hashes
+        if block_size == self.hash_block_size:
+            return block_hashes
         return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, block_size)
 
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #8c4146d4
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     "Prefix caching off: any number of groups, every lookup misses. Source: vLLM `KVCacheCoordinatorNoPrefixCache`."
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, use_eagle: bool, enable_kv_cache_events: bool,
-                 dcp_world_size: int, hash_block_size: int, metrics_collector: KVCacheMetricsCollector | None = None):
-        super().__init__(kv_cache_config, max_model_len, use_eagle, False, enable_kv_cache_events, dcp_world_size,
-                         hash_block_size, metrics_collector)
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        use_eagle: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        hash_block_size: int,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ):
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            use_eagle,
+            False,
+            enable_kv_cache_events,
+            dcp_world_size,
+            hash_block_size,
+            metrics_collector,
+        )
         self.num_single_type_manager = len(self.single_type_managers)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
@@ -109,27 +176,38 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         return tuple([] for _ in range(self.num_single_type_manager)), 0
 
+
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     "Exactly one KV cache group: the hit is that manager's scan. Source: vLLM `UnitaryKVCacheCoordinator`."
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size * self.dcp_world_size
         if self.block_size % self.hash_block_size:
-            raise ValueError(f"block_size {self.block_size} is not a multiple of hash_block_size {self.hash_block_size}")
+            raise ValueError(
+                f"block_size {self.block_size} is not a multiple of hash_block_size {self.hash_block_size}"
+            )
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         manager = self.single_type_managers[0]
         hit_blocks = type(manager).find_longest_cache_hit(
-            block_hashes=self._block_hashes_for(block_hashes, self.block_size), max_length=max_cache_hit_length,
-            kv_cache_group_ids=[0], block_pool=self.block_pool, kv_cache_spec=self.kv_cache_spec,
-            use_eagle=self.use_eagle, alignment_tokens=self.block_size, dcp_world_size=self.dcp_world_size)
+            block_hashes=self._block_hashes_for(block_hashes, self.block_size),
+            max_length=max_cache_hit_length,
+            kv_cache_group_ids=[0],
+            block_pool=self.block_pool,
+            kv_cache_spec=self.kv_cache_spec,
+            use_eagle=self.use_eagle,
+            alignment_tokens=self.block_size,
+            dcp_world_size=self.dcp_world_size,
+        )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #6443ecdd
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several KV cache groups of different attention types with prefix caching: the hit length is the fixed point
     of every type's longest hit. Source: vLLM v1/core/kv_cache_coordinator.py `HybridKVCacheCoordinator`."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.verify_and_split_kv_cache_groups()
@@ -140,16 +218,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
             by_spec.setdefault(g.kv_cache_spec, []).append(i)
         self.attention_groups: list[tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]] = [
-            (spec, ids, type(self.single_type_managers[ids[0]])) for spec, ids in by_spec.items()]
+            (spec, ids, type(self.single_type_managers[ids[0]])) for spec, ids in by_spec.items()
+        ]
         self.attention_groups.sort(key=lambda g: not isinstance(g[0], FullAttentionSpec))
         sizes = [spec.block_size for spec, _, _ in self.attention_groups]
         for s in sizes:
             if s % self.hash_block_size:
-                raise ValueError(f"block_size {s} is not a multiple of hash_block_size {self.hash_block_size}")
+                raise ValueError(
+                    f"block_size {s} is not a multiple of hash_block_size {self.hash_block_size}"
+                )
         self.lcm_block_size = math.lcm(*sizes)
         # full attention + one other type: the other type's hit is final after one round
-        self.is_simple_hybrid = (len(self.attention_groups) == 2
-                                 and isinstance(self.attention_groups[0][0], FullAttentionSpec))
+        self.is_simple_hybrid = len(self.attention_groups) == 2 and isinstance(
+            self.attention_groups[0][0], FullAttentionSpec
+        )
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         hits: list[list[KVCacheBlock] | None] = [None] * len(self.single_type_managers)
@@ -159,30 +241,60 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             for spec, group_ids, manager_cls in self.attention_groups:
                 if isinstance(spec, FullAttentionSpec) and hits[group_ids[0]] is not None:
                     curr = curr // spec.block_size * spec.block_size  # downward closed: cut, don't rescan
-                    for gid in group_ids: del hits[gid][curr // spec.block_size:]
+                    for gid in group_ids:
+                        del hits[gid][curr // spec.block_size :]
                     continue
                 found = manager_cls.find_longest_cache_hit(
-                    block_hashes=self._block_hashes_for(block_hashes, spec.block_size), max_length=curr,
-                    kv_cache_group_ids=group_ids, block_pool=self.block_pool, kv_cache_spec=spec,
-                    use_eagle=self.use_eagle, alignment_tokens=self.lcm_block_size)
+                    block_hashes=self._block_hashes_for(block_hashes, spec.block_size),
+                    max_length=curr,
+                    kv_cache_group_ids=group_ids,
+                    block_pool=self.block_pool,
+                    kv_cache_spec=spec,
+                    use_eagle=self.use_eagle,
+                    alignment_tokens=self.lcm_block_size,
+                )
                 curr = len(found[0]) * spec.block_size
-                for gid, blocks in zip(group_ids, found): hits[gid] = blocks
+                for gid, blocks in zip(group_ids, found):
+                    hits[gid] = blocks
             converged = curr >= hit_length
             hit_length = curr
-            if converged or self.is_simple_hybrid: break
+            if converged or self.is_simple_hybrid:
+                break
         for spec, group_ids, _ in self.attention_groups:  # cut the groups looked at before the last shrink
-            for gid in group_ids: del hits[gid][hit_length // spec.block_size:]
+            for gid in group_ids:
+                del hits[gid][hit_length // spec.block_size :]
         return tuple(hits), hit_length
 
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #dbee1770
-def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, use_eagle: bool,
-                             enable_caching: bool, enable_kv_cache_events: bool, dcp_world_size: int,
-                             hash_block_size: int, metrics_collector: KVCacheMetricsCollector | None = None
-                             ) -> KVCacheCoordinator:
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    dcp_world_size: int,
+    hash_block_size: int,
+    metrics_collector: KVCacheMetricsCollector | None = None,
+) -> KVCacheCoordinator:
     "No-prefix-cache, unitary (1 group) or hybrid coordinator for `kv_cache_config`. Source: vLLM `get_kv_cache_coordinator`."
     if not enable_caching:
-        return KVCacheCoordinatorNoPrefixCache(kv_cache_config, max_model_len, use_eagle, enable_kv_cache_events,
-                                               dcp_world_size, hash_block_size, metrics_collector)
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config,
+            max_model_len,
+            use_eagle,
+            enable_kv_cache_events,
+            dcp_world_size,
+            hash_block_size,
+            metrics_collector,
+        )
     cls = UnitaryKVCacheCoordinator if len(kv_cache_config.kv_cache_groups) == 1 else HybridKVCacheCoordinator
-    return cls(kv_cache_config, max_model_len, use_eagle, enable_caching, enable_kv_cache_events, dcp_world_size,
-               hash_block_size, metrics_collector)
+    return cls(
+        kv_cache_config,
+        max_model_len,
+        use_eagle,
+        enable_caching,
+        enable_kv_cache_events,
+        dcp_world_size,
+        hash_block_size,
+        metrics_collector,
+    )

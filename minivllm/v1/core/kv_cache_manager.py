@@ -24,6 +24,7 @@ __all__ = ['KVCacheBlocks', 'KVCacheManager']
 @dataclass
 class KVCacheBlocks:
     """Blocks per KV cache group: `blocks[i][j]` is group i's j-th block. Source: vLLM v1/core/kv_cache_manager.py `KVCacheBlocks`."""
+
     blocks: tuple[Sequence[KVCacheBlock], ...]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
@@ -32,7 +33,8 @@ class KVCacheBlocks:
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         "Block ids per group; None instead of all-empty lists when `allow_none`."
-        if allow_none and all(len(g) == 0 for g in self.blocks): return None
+        if allow_none and all(len(g) == 0 for g in self.blocks):
+            return None
         return tuple([b.block_id for b in g] for g in self.blocks)
 
     def get_unhashed_block_ids(self) -> list[int]:
@@ -48,19 +50,37 @@ class KVCacheBlocks:
 class KVCacheManager:
     """Allocates KV cache blocks to requests and finds their prefix-cache hits, over all KV cache groups of
     `kv_cache_config`. Source: vLLM v1/core/kv_cache_manager.py `KVCacheManager`."""
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, hash_block_size: int | None = None,
-                 enable_caching: bool = True, use_eagle: bool = False, log_stats: bool = False,
-                 enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
-                 metrics_collector: KVCacheMetricsCollector | None = None):
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        hash_block_size: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ):
         self.max_model_len, self.enable_caching, self.use_eagle = max_model_len, enable_caching, use_eagle
         self.log_stats, self.enable_kv_cache_events = log_stats, enable_kv_cache_events
         if hash_block_size is None:
-            hash_block_size = math.gcd(*(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)) or 1
+            hash_block_size = (
+                math.gcd(*(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)) or 1
+            )
         self.hash_block_size = hash_block_size
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.coordinator = get_kv_cache_coordinator(kv_cache_config, max_model_len, use_eagle, enable_caching,
-                                                    enable_kv_cache_events, dcp_world_size, hash_block_size,
-                                                    metrics_collector)
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            hash_block_size,
+            metrics_collector,
+        )
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
@@ -73,7 +93,8 @@ class KVCacheManager:
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         "The prefix-cache counters since the last call (then reset); None unless `log_stats`."
-        if not self.log_stats: return None
+        if not self.log_stats:
+            return None
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
@@ -93,27 +114,40 @@ def _get_computed_blocks(self: KVCacheManager, request) -> tuple[KVCacheBlocks, 
     if not self.enable_caching or (sp is not None and sp.prompt_logprobs is not None):
         return self.empty_kv_cache_blocks, 0
     computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
-        request.block_hashes, request.num_tokens - 1)
+        request.block_hashes, request.num_tokens - 1
+    )
     if self.log_stats:
-        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_new_computed_tokens,
-                                       preempted=request.num_preemptions > 0)
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_new_computed_tokens,
+            preempted=request.num_preemptions > 0,
+        )
     return self.create_kv_cache_blocks(computed_blocks), num_new_computed_tokens
+
 
 KVCacheManager.get_computed_blocks = _get_computed_blocks
 
 # %% ../../../nbs/15_kv_cache_manager.ipynb #4fe2fb02
-def _allocate_slots(self: KVCacheManager, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                    new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
-                    delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                    num_external_computed_tokens: int = 0) -> KVCacheBlocks | None:
+def _allocate_slots(
+    self: KVCacheManager,
+    request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: KVCacheBlocks | None = None,
+    num_lookahead_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+) -> KVCacheBlocks | None:
     """Give `request` slots for `num_new_tokens` more tokens (plus `num_lookahead_tokens` draft slots), after
     claiming its prefix-cache hit (`new_computed_blocks`, `num_new_computed_tokens` tokens). Returns the newly
     allocated blocks, or None when the pool is too small (nothing changes then, except blocks outside the
     attention window being freed). Raises `ValueError` if there is nothing to allocate for."""
     if num_new_tokens == 0 and num_external_computed_tokens == 0:
         raise ValueError("num_new_tokens must be greater than 0")
-    new_blocks_per_group = (new_computed_blocks.blocks if new_computed_blocks is not None
-                            else self.empty_kv_cache_blocks.blocks)
+    new_blocks_per_group = (
+        new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+    )
     rid = request.request_id
     # 1. blocks outside the attention window go back before we count what is free
     self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -123,21 +157,31 @@ def _allocate_slots(self: KVCacheManager, request, num_new_tokens: int, num_new_
     num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
     # 2. capacity
     num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
-        rid, num_tokens_need_slot, new_blocks_per_group, num_encoder_tokens, total_computed_tokens,
-        num_tokens_main_model)
+        rid,
+        num_tokens_need_slot,
+        new_blocks_per_group,
+        num_encoder_tokens,
+        total_computed_tokens,
+        num_tokens_main_model,
+    )
     if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
         return None
     # 3. claim the prefix-cache hit
     if num_new_computed_tokens > 0 or num_external_computed_tokens > 0 or any(new_blocks_per_group):
-        self.coordinator.allocate_new_computed_blocks(rid, new_blocks_per_group, num_local_computed_tokens,
-                                                      num_external_computed_tokens)
+        self.coordinator.allocate_new_computed_blocks(
+            rid, new_blocks_per_group, num_local_computed_tokens, num_external_computed_tokens
+        )
     # 4. new blocks
-    new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model,
-                                                      num_encoder_tokens)
+    new_blocks = self.coordinator.allocate_new_blocks(
+        rid, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
+    )
     # 5. register full blocks, never counting draft tokens that may be rejected
     if self.enable_caching and not delay_cache_blocks:
-        self.coordinator.cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))
+        self.coordinator.cache_blocks(
+            request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
+        )
     return self.create_kv_cache_blocks(new_blocks)
+
 
 KVCacheManager.allocate_slots = _allocate_slots
 
@@ -146,36 +190,55 @@ def _free(self: KVCacheManager, request) -> None:
     "Release all of the request's blocks (its full blocks stay cached until evicted)."
     self.coordinator.free(request.request_id)
 
+
 def _cache_blocks(self: KVCacheManager, request, num_computed_tokens: int) -> None:
     "Register the request's full blocks within its first `num_computed_tokens` tokens (for delayed caching)."
-    if self.enable_caching: self.coordinator.cache_blocks(request, num_computed_tokens)
+    if self.enable_caching:
+        self.coordinator.cache_blocks(request, num_computed_tokens)
+
 
 def _get_blocks(self: KVCacheManager, request_id: str) -> KVCacheBlocks:
     "All blocks of the request, per group."
     return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
+
 def _get_block_ids(self: KVCacheManager, request_id: str) -> tuple[list[int], ...]:
     "Block ids of the request, per group (its block table rows)."
     return self.get_blocks(request_id).get_block_ids()
+
 
 def _get_num_common_prefix_blocks(self: KVCacheManager, running_request_id: str) -> list[int]:
     "Per group: leading blocks of `running_request_id` shared by every running request (cascade attention)."
     return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
+
 def _reset_prefix_cache(self: KVCacheManager) -> bool:
     "Forget the whole prefix cache; fails (False) while any request holds blocks."
-    if not self.block_pool.reset_prefix_cache(): return False
-    if self.log_stats: self.prefix_cache_stats.reset = True
+    if not self.block_pool.reset_prefix_cache():
+        return False
+    if self.log_stats:
+        self.prefix_cache_stats.reset = True
     return True
+
 
 def _evict_blocks(self: KVCacheManager, block_ids: set[int]) -> None:
     "Drop the given blocks from the prefix cache (a KV connector found them invalid)."
     self.block_pool.evict_blocks(block_ids)
 
+
 def _take_events(self: KVCacheManager) -> list[KVCacheEvent]:
     "KV cache events since the last call (empty unless `enable_kv_cache_events`)."
     return self.block_pool.take_events()
 
-for _f in (_free, _cache_blocks, _get_blocks, _get_block_ids, _get_num_common_prefix_blocks, _reset_prefix_cache,
-           _evict_blocks, _take_events):
+
+for _f in (
+    _free,
+    _cache_blocks,
+    _get_blocks,
+    _get_block_ids,
+    _get_num_common_prefix_blocks,
+    _reset_prefix_cache,
+    _evict_blocks,
+    _take_events,
+):
     setattr(KVCacheManager, _f.__name__[1:], _f)

@@ -18,13 +18,16 @@ __all__ = ['KVCacheEvictionEvent', 'BlockMetricsState', 'KVCacheMetricsCollector
 @dataclass(frozen=True)
 class KVCacheEvictionEvent:
     """Residency of one sampled block at eviction, in seconds. Source: vLLM v1/metrics/stats.py `KVCacheEvictionEvent`."""
+
     lifetime_seconds: float
     idle_seconds: float
     reuse_gaps_seconds: tuple[float, ...]
 
+
 class BlockMetricsState:
     """Times (ns, monotonic) of one tracked block: allocation and the last `max_accesses` accesses.
     Source: vLLM v1/core/kv_cache_metrics.py `BlockMetricsState`."""
+
     def __init__(self, now_ns: int, max_accesses: int = 4):
         self.birth_time_ns = self.last_access_ns = now_ns
         self.access_history: deque[int] = deque([now_ns], maxlen=max_accesses)
@@ -33,8 +36,12 @@ class BlockMetricsState:
         self.last_access_ns = now_ns
         self.access_history.append(now_ns)
 
-    def get_lifetime_seconds(self, now_ns: int) -> float: return (now_ns - self.birth_time_ns) / 1e9
-    def get_idle_time_seconds(self, now_ns: int) -> float: return (now_ns - self.last_access_ns) / 1e9
+    def get_lifetime_seconds(self, now_ns: int) -> float:
+        return (now_ns - self.birth_time_ns) / 1e9
+
+    def get_idle_time_seconds(self, now_ns: int) -> float:
+        return (now_ns - self.last_access_ns) / 1e9
+
     def get_reuse_gaps_seconds(self) -> tuple[float, ...]:
         h = list(self.access_history)
         return tuple((b - a) / 1e9 for a, b in zip(h, h[1:]))
@@ -44,30 +51,41 @@ class KVCacheMetricsCollector:
     """Samples blocks at allocation with probability `sample_rate` in (0, 1] and records one `KVCacheEvictionEvent`
     per evicted sampled block. `clock` returns nanoseconds (monotonic). Raises `ValueError` for a rate outside (0, 1].
     Source: vLLM v1/core/kv_cache_metrics.py `KVCacheMetricsCollector`."""
+
     def __init__(self, sample_rate: float = 0.01, clock: Callable[[], int] = time.monotonic_ns):
-        if not 0 < sample_rate <= 1: raise ValueError(f"sample_rate must be in (0, 1]; got {sample_rate}")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1]; got {sample_rate}")
         self.sample_rate, self.clock = sample_rate, clock
         self.block_metrics: dict[int, BlockMetricsState] = {}
         self._eviction_events: list[KVCacheEvictionEvent] = []
 
-    def should_sample_block(self) -> bool: return random.random() < self.sample_rate
+    def should_sample_block(self) -> bool:
+        return random.random() < self.sample_rate
 
     def on_block_allocated(self, block: KVCacheBlock) -> None:
         "A block was handed out for new content: maybe start tracking it."
-        if self.should_sample_block(): self.block_metrics[block.block_id] = BlockMetricsState(self.clock())
+        if self.should_sample_block():
+            self.block_metrics[block.block_id] = BlockMetricsState(self.clock())
 
     def on_block_accessed(self, block: KVCacheBlock) -> None:
         "A cached block was hit (touched)."
         state = self.block_metrics.get(block.block_id)
-        if state is not None: state.record_access(self.clock())
+        if state is not None:
+            state.record_access(self.clock())
 
     def on_block_evicted(self, block: KVCacheBlock) -> None:
         "The block's content is being replaced: emit its residency if it was tracked."
         state = self.block_metrics.pop(block.block_id, None)
-        if state is None: return
+        if state is None:
+            return
         now = self.clock()
-        self._eviction_events.append(KVCacheEvictionEvent(
-            state.get_lifetime_seconds(now), state.get_idle_time_seconds(now), state.get_reuse_gaps_seconds()))
+        self._eviction_events.append(
+            KVCacheEvictionEvent(
+                state.get_lifetime_seconds(now),
+                state.get_idle_time_seconds(now),
+                state.get_reuse_gaps_seconds(),
+            )
+        )
 
     def reset(self) -> None:
         "Forget every tracked block (the prefix cache was reset)."

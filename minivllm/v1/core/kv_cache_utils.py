@@ -18,8 +18,14 @@ from typing import Any, Callable, NewType
 import cbor2
 import xxhash as _xxhash
 
-from ..kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec,
-                                            KVCacheTensor, SlidingWindowSpec)
+from minivllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +45,21 @@ BlockHash = NewType("BlockHash", bytes)  # hash of one full block of tokens (and
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)  # BlockHash + 4-byte big-endian group id
 ExternalBlockHash = bytes | int  # what KV cache events publish
 
+
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     "Key of the prefix cache: `block_hash` followed by `group_id` as 4 big-endian bytes. Source: vLLM kv_cache_utils."
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
+
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
     "The `BlockHash` part of a prefix-cache key."
     return BlockHash(key[:-4])
 
+
 def get_group_id(key: BlockHashWithGroupId) -> int:
     "The KV cache group id part of a prefix-cache key."
     return int.from_bytes(key[-4:], "big", signed=False)
+
 
 def maybe_convert_block_hash(block_hash: BlockHash) -> ExternalBlockHash:
     "The form a block hash takes in KV cache events (bytes here; vLLM can switch to int). Source: vLLM kv_cache_utils."
@@ -60,30 +70,43 @@ def sha256(input: Any) -> bytes:
     "SHA-256 (32 bytes) of `pickle.dumps(input)`. Source: vLLM utils/hashing.py `sha256`."
     return hashlib.sha256(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
+
 def sha256_cbor(input: Any) -> bytes:
     "SHA-256 (32 bytes) of canonical CBOR of `input`: identical in every process. Source: vLLM `sha256_cbor`."
     return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
+
 
 def xxhash(input: Any) -> bytes:
     "xxh3-128 (16 bytes) of `pickle.dumps(input)`; fast, not collision resistant. Source: vLLM `xxhash`."
     return _xxhash.xxh3_128_digest(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL))
 
+
 def xxhash_cbor(input: Any) -> bytes:
     "xxh3-128 (16 bytes) of canonical CBOR of `input`. Source: vLLM `xxhash_cbor`."
     return _xxhash.xxh3_128_digest(cbor2.dumps(input, canonical=True))
 
+
 _HASH_FNS: dict[str, Callable[[Any], bytes]] = {
-    "sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash, "xxhash_cbor": xxhash_cbor}
+    "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
+    "xxhash": xxhash,
+    "xxhash_cbor": xxhash_cbor,
+}
+
 
 def get_hash_fn_by_name(hash_fn_name: str) -> Callable[[Any], bytes]:
     "The hash function called `hash_fn_name`; raises `ValueError` for an unknown name. Source: vLLM `get_hash_fn_by_name`."
-    try: return _HASH_FNS[hash_fn_name]
-    except KeyError: raise ValueError(f"Unsupported hash function: {hash_fn_name!r}; "
-                                      f"choose one of {sorted(_HASH_FNS)}") from None
+    try:
+        return _HASH_FNS[hash_fn_name]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported hash function: {hash_fn_name!r}; choose one of {sorted(_HASH_FNS)}"
+        ) from None
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #c3b3b220
 NONE_HASH: BlockHash
 _warned_no_seed: list[bool] = []
+
 
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     "Set the global `NONE_HASH`: `hash_fn(PYTHONHASHSEED)` when the variable is set, else 32 random bytes. Source: vLLM `init_none_hash`."
@@ -92,18 +115,27 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     if hash_seed is None:
         if hash_fn in (sha256_cbor, xxhash_cbor) and not _warned_no_seed:
             _warned_no_seed.append(True)  # once per process
-            logger.warning("PYTHONHASHSEED is not set: block hashes are random per process, so "
-                           "they cannot be shared across processes.")
+            logger.warning(
+                "PYTHONHASHSEED is not set: block hashes are random per process, so "
+                "they cannot be shared across processes."
+            )
         NONE_HASH = BlockHash(os.urandom(32))
     else:
         NONE_HASH = BlockHash(hash_fn(hash_seed))
 
+
 # a usable default until the engine calls init_none_hash with its configured function (silently: no warning at import)
-NONE_HASH = BlockHash(sha256_cbor(os.environ["PYTHONHASHSEED"]) if "PYTHONHASHSEED" in os.environ else os.urandom(32))
+NONE_HASH = BlockHash(
+    sha256_cbor(os.environ["PYTHONHASHSEED"]) if "PYTHONHASHSEED" in os.environ else os.urandom(32)
+)
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #abe34dbf
-def hash_block_tokens(hash_function: Callable[[Any], bytes], parent_block_hash: BlockHash | None,
-                      curr_block_token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+def hash_block_tokens(
+    hash_function: Callable[[Any], bytes],
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
     """Hash of one full block: `hash_function((parent or NONE_HASH, tuple(token ids), extra_keys))`.
 
     `parent_block_hash` is None for the first block of a request. Source: vLLM kv_cache_utils.py `hash_block_tokens`."""
@@ -114,90 +146,123 @@ def hash_block_tokens(hash_function: Callable[[Any], bytes], parent_block_hash: 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #fada1aff
 def need_extra_keys(request) -> bool:
     "Whether the request's block hashes need extra keys (multimodal, LoRA, cache salt, prompt embeddings). Source: vLLM."
-    return (bool(getattr(request, "mm_features", None)) or getattr(request, "lora_request", None) is not None
-            or getattr(request, "cache_salt", None) is not None or getattr(request, "prompt_embeds", None) is not None)
+    return (
+        bool(getattr(request, "mm_features", None))
+        or getattr(request, "lora_request", None) is not None
+        or getattr(request, "cache_salt", None) is not None
+        or getattr(request, "prompt_embeds", None) is not None
+    )
+
 
 def _gen_lora_extra_hash_keys(request) -> list[str]:
     lora = getattr(request, "lora_request", None)
-    if lora is None: return []
+    if lora is None:
+        return []
     return [getattr(lora, "lora_name", lora)]
 
-def _gen_mm_extra_hash_keys(request, start_token_idx: int, end_token_idx: int,
-                            start_mm_idx: int) -> tuple[list[Any], int]:
+
+def _gen_mm_extra_hash_keys(
+    request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[list[Any], int]:
     """Identifiers of the multimodal inputs overlapping tokens `[start_token_idx, end_token_idx)`, and the
     index of the first input a later block can still overlap. `start_mm_idx` < 0 counts from the end."""
     mm_features = getattr(request, "mm_features", None) or []
-    if not mm_features: return [], start_mm_idx
-    if start_mm_idx < 0: start_mm_idx += len(mm_features)
+    if not mm_features:
+        return [], start_mm_idx
+    if start_mm_idx < 0:
+        start_mm_idx += len(mm_features)
     keys, idx = [], start_mm_idx
     while idx < len(mm_features):
         feat = mm_features[idx]
         offset, length = feat.mm_position.offset, feat.mm_position.length
-        if offset >= end_token_idx: break          # this input starts after the block: so do the rest
-        if offset + length > start_token_idx:      # overlaps the block
+        if offset >= end_token_idx:
+            break  # this input starts after the block: so do the rest
+        if offset + length > start_token_idx:  # overlaps the block
             keys.append(feat.identifier)
-            if offset + length > end_token_idx: break  # it continues into the next block: keep idx
-        idx += 1                                   # it ends inside (or before) this block
+            if offset + length > end_token_idx:
+                break  # it continues into the next block: keep idx
+        idx += 1  # it ends inside (or before) this block
     return keys, idx
+
 
 def _gen_prompt_embeds_extra_hash_keys(request, start_token_idx: int, end_token_idx: int) -> list[bytes]:
     embeds = getattr(request, "prompt_embeds", None)
-    if embeds is None: return []
+    if embeds is None:
+        return []
     import torch  # only requests with prompt embeddings need it
+
     chunk = embeds[start_token_idx:end_token_idx].detach().to("cpu").contiguous()
     return [hashlib.sha256(chunk.view(-1).view(torch.uint8).numpy().tobytes()).digest()]
 
-def generate_block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int,
-                                   start_mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
+
+def generate_block_hash_extra_keys(
+    request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
     """Extra keys of the block `[start_token_idx, end_token_idx)` (LoRA + multimodal + cache salt + prompt
     embeddings, None when empty) and the next `start_mm_idx`. Source: vLLM `generate_block_hash_extra_keys`."""
     mm_keys, new_start_mm_idx = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
     salt = getattr(request, "cache_salt", None)
     salt_keys = [salt] if (start_token_idx == 0 and salt) else []
-    keys = (_gen_lora_extra_hash_keys(request) + mm_keys + salt_keys
-            + _gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx))
+    keys = (
+        _gen_lora_extra_hash_keys(request)
+        + mm_keys
+        + salt_keys
+        + _gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx)
+    )
     return (tuple(keys) if keys else None), new_start_mm_idx
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #b614e89d
-def get_request_block_hasher(block_size: int, caching_hash_fn: Callable[[Any], bytes]
-                             ) -> Callable[[Any], list[BlockHash]]:
+def get_request_block_hasher(
+    block_size: int, caching_hash_fn: Callable[[Any], bytes]
+) -> Callable[[Any], list[BlockHash]]:
     "A `block_hasher(request)` returning hashes of the request's newly full `block_size`-token blocks. Source: vLLM `get_request_block_hasher`."
+
     def request_block_hasher(request) -> list[BlockHash]:
         start = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens
-        if start + block_size > num_tokens: return []
+        if start + block_size > num_tokens:
+            return []
         parent = request.block_hashes[-1] if request.block_hashes else None
         extra = need_extra_keys(request)
         tokens, mm_idx, new_hashes = request.all_token_ids, 0, []
         while start + block_size <= num_tokens:
             end = start + block_size
             keys = None
-            if extra: keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            if extra:
+                keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], keys)
             new_hashes.append(parent)
             start = end
         return new_hashes
+
     return request_block_hasher
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #c3123608
 class BlockHashListWithBlockSize:
     """Read-only view of `block_hashes` (one per `hash_block_size` tokens) as one hash per `target_block_size`
     tokens, each the concatenation of the covered hashes. Source: vLLM kv_cache_utils.py `BlockHashListWithBlockSize`."""
+
     def __init__(self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int):
         if target_block_size % hash_block_size:
-            raise ValueError(f"target_block_size {target_block_size} is not a multiple of hash_block_size {hash_block_size}")
+            raise ValueError(
+                f"target_block_size {target_block_size} is not a multiple of hash_block_size {hash_block_size}"
+            )
         self.block_hashes, self.scale_factor = block_hashes, target_block_size // hash_block_size
 
-    def __len__(self) -> int: return len(self.block_hashes) // self.scale_factor
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
 
     def _get_value_at(self, idx: int) -> BlockHash:
         base = idx * self.scale_factor
-        return BlockHash(b"".join(self.block_hashes[base:base + self.scale_factor]))
+        return BlockHash(b"".join(self.block_hashes[base : base + self.scale_factor]))
 
     def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
-        if isinstance(idx, slice): return [self._get_value_at(i) for i in range(*idx.indices(len(self)))]
-        if idx < 0: idx += len(self)
-        if not 0 <= idx < len(self): raise IndexError(idx)
+        if isinstance(idx, slice):
+            return [self._get_value_at(i) for i in range(*idx.indices(len(self)))]
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(idx)
         return self._get_value_at(idx)
 
     def __iter__(self) -> Iterator[BlockHash]:
@@ -208,6 +273,7 @@ class BlockHashListWithBlockSize:
 class KVCacheBlock:
     """Metadata of one KV cache block: `block_id` in [0, num_blocks), `ref_cnt` users, the prefix-cache key once
     full and cached, and free-list links. Block 0 is the pool's null block (`is_null`). Source: vLLM `KVCacheBlock`."""
+
     block_id: int
     ref_cnt: int = 0
     _block_hash: BlockHashWithGroupId | None = None
@@ -216,7 +282,8 @@ class KVCacheBlock:
     is_null: bool = False
 
     @property
-    def block_hash(self) -> BlockHashWithGroupId | None: return self._block_hash
+    def block_hash(self) -> BlockHashWithGroupId | None:
+        return self._block_hash
 
     @block_hash.setter
     def block_hash(self, block_hash: BlockHashWithGroupId) -> None:
@@ -230,15 +297,18 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         nid = lambda b: b.block_id if b is not None else None
         h = self._block_hash.hex()[:8] if self._block_hash else None
-        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={h}, "
-                f"prev_free_block={nid(self.prev_free_block)}, next_free_block={nid(self.next_free_block)}"
-                + (", is_null=True)" if self.is_null else ")"))
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={h}, "
+            f"prev_free_block={nid(self.prev_free_block)}, next_free_block={nid(self.next_free_block)}"
+            + (", is_null=True)" if self.is_null else ")")
+        )
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #3de592a1
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free `KVCacheBlock`s in eviction order (front = evicted first), O(1) `remove`.
     Built from `blocks` in order. Raises `ValueError` when popping from an empty queue or removing an unlinked
     block. Source: vLLM kv_cache_utils.py `FreeKVCacheBlockQueue`."""
+
     def __init__(self, blocks: list[KVCacheBlock]):
         self.num_free_blocks = len(blocks)
         self.fake_free_list_head, self.fake_free_list_tail = KVCacheBlock(-1), KVCacheBlock(-1)
@@ -249,13 +319,15 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         "Take the block at the front (the next to evict)."
         block = self.fake_free_list_head.next_free_block
-        if block is self.fake_free_list_tail: raise ValueError("No free blocks available")
+        if block is self.fake_free_list_tail:
+            raise ValueError("No free blocks available")
         self.remove(block)
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         "Take the `n` front blocks, in order."
-        if n > self.num_free_blocks: raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
         out, block = [], self.fake_free_list_head.next_free_block
         for _ in range(n):
             nxt = block.next_free_block
@@ -269,7 +341,8 @@ class FreeKVCacheBlockQueue:
     def remove(self, block: KVCacheBlock) -> None:
         "Unlink `block` from wherever it is in the queue, in O(1)."
         prev, nxt = block.prev_free_block, block.next_free_block
-        if prev is None or nxt is None: raise ValueError(f"remove() called on a block not in the free queue: {block}")
+        if prev is None or nxt is None:
+            raise ValueError(f"remove() called on a block not in the free queue: {block}")
         prev.next_free_block, nxt.prev_free_block = nxt, prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
@@ -280,7 +353,8 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         "Put `blocks` at the back, in order."
-        if not blocks: return
+        if not blocks:
+            return
         last = self.fake_free_list_tail.prev_free_block
         for block in blocks:
             last.next_free_block, block.prev_free_block = block, last
@@ -299,42 +373,57 @@ class FreeKVCacheBlockQueue:
 # %% ../../../nbs/11_kv_cache_utils.ipynb #0392d46f
 GiB_bytes = 1 << 30
 
+
 def _max_model_len(vllm_config) -> int:
     mc = getattr(vllm_config, "model_config", None)
-    if mc is not None and getattr(mc, "max_model_len", None): return mc.max_model_len
+    if mc is not None and getattr(mc, "max_model_len", None):
+        return mc.max_model_len
     return vllm_config.scheduler_config.max_model_len
+
 
 def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
     "Whether all layers have the same spec (then one group suffices). Source: vLLM `is_kv_cache_spec_uniform`."
     return len(set(kv_cache_spec.values())) <= 1
 
+
 def is_kv_cache_page_size_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
     "Whether all layers' pages have the same size in bytes. Source: vLLM `is_kv_cache_page_size_uniform`."
     return len({s.page_size_bytes for s in kv_cache_spec.values()}) <= 1
 
+
 def max_memory_usage_bytes(max_model_len: int, kv_cache_specs) -> int:
     "Bytes one request of `max_model_len` tokens needs over all layers. Source: vLLM `max_memory_usage_bytes`."
     return sum(spec.max_memory_usage_bytes(max_model_len) for spec in kv_cache_specs)
+
 
 def estimate_max_model_len(kv_cache_spec: dict[str, KVCacheSpec], available_memory: int, upper: int) -> int:
     "Largest length in [0, upper] whose single request fits in `available_memory` (binary search). Source: vLLM."
     lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if max_memory_usage_bytes(mid, kv_cache_spec.values()) <= available_memory: lo = mid
-        else: hi = mid - 1
+        if max_memory_usage_bytes(mid, kv_cache_spec.values()) <= available_memory:
+            lo = mid
+        else:
+            hi = mid - 1
     return lo
 
-def check_enough_kv_cache_memory(vllm_config, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int) -> None:
+
+def check_enough_kv_cache_memory(
+    vllm_config, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
+) -> None:
     """Raise `ValueError` unless one request of `max_model_len` tokens fits in `available_memory` bytes.
     Source: vLLM kv_cache_utils.py `check_enough_kv_cache_memory`."""
-    if not kv_cache_spec: return
+    if not kv_cache_spec:
+        return
     max_model_len = _max_model_len(vllm_config)
     needed = max_memory_usage_bytes(max_model_len, kv_cache_spec.values())
     dev = getattr(getattr(getattr(vllm_config, "device_config", None), "device", None), "type", "cuda")
-    raise_what = (f"--kv-cache-memory-bytes (at least {needed} for max_model_len={max_model_len}) or "
-                  "MINIVLLM_CPU_KVCACHE_SPACE (GiB)" if dev == "cpu" else
-                  f"--gpu-memory-utilization or --kv-cache-memory-bytes (at least {needed})")
+    raise_what = (
+        f"--kv-cache-memory-bytes (at least {needed} for max_model_len={max_model_len}) or "
+        "MINIVLLM_CPU_KVCACHE_SPACE (GiB)"
+        if dev == "cpu"
+        else f"--gpu-memory-utilization or --kv-cache-memory-bytes (at least {needed})"
+    )
     if available_memory <= 0:
         raise ValueError(f"No available memory for the cache blocks. Raise {raise_what}.")
     if needed > available_memory:
@@ -343,43 +432,52 @@ def check_enough_kv_cache_memory(vllm_config, kv_cache_spec: dict[str, KVCacheSp
             f"To serve at least one request with the model's max seq len ({max_model_len}), "
             f"{needed / GiB_bytes:.4f} GiB of KV cache is needed, which is larger than the available KV cache "
             f"memory ({available_memory / GiB_bytes:.4f} GiB). Based on the available memory, the estimated "
-            f"maximum model length is {est}. Raise {raise_what}, or lower --max-model-len.")
+            f"maximum model length is {est}. Raise {raise_what}, or lower --max-model-len."
+        )
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #63af191d
-def create_kv_cache_group_specs(kv_cache_spec: dict[str, KVCacheSpec], grouped_layer_names: list[list[str]]
-                                ) -> list[KVCacheGroupSpec]:
+def create_kv_cache_group_specs(
+    kv_cache_spec: dict[str, KVCacheSpec], grouped_layer_names: list[list[str]]
+) -> list[KVCacheGroupSpec]:
     "One `KVCacheGroupSpec` per list of layer names (their specs must agree). Source: vLLM `create_kv_cache_group_specs`."
     groups = []
     for names in grouped_layer_names:
         specs = {kv_cache_spec[n] for n in names}
-        if len(specs) != 1: raise ValueError(f"layers {names} of one group have different specs: {specs}")
+        if len(specs) != 1:
+            raise ValueError(f"layers {names} of one group have different specs: {specs}")
         groups.append(KVCacheGroupSpec(list(names), specs.pop()))
     return groups
+
 
 def _get_kv_cache_groups_uniform_page_size(kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """Split layers by spec into groups of one size (the smallest spec count, or the largest when that pads by
     under 25%): tensor i is then shared by the i-th layer of every group. Source: vLLM."""
     same_type: dict[KVCacheSpec, list[str]] = defaultdict(list)
-    for name, spec in kv_cache_spec.items(): same_type[spec].append(name)
+    for name, spec in kv_cache_spec.items():
+        same_type[spec].append(name)
     counts = [len(v) for v in same_type.values()]
     group_size = max(counts) if max(counts) < min(counts) * 1.25 else min(counts)
     grouped = []
     for names in same_type.values():
         if len(names) % group_size:
             logger.warning("KV cache groups padded: %d layers in groups of %d", len(names), group_size)
-        grouped.extend(names[i:i + group_size] for i in range(0, len(names), group_size))
+        grouped.extend(names[i : i + group_size] for i in range(0, len(names), group_size))
     return create_kv_cache_group_specs(kv_cache_spec, grouped)
+
 
 def get_kv_cache_groups(vllm_config, kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """Group the layers: none for an attention-free model, one group when all specs agree, groups of equal size
     when page sizes agree; else `NotImplementedError`. Source: vLLM kv_cache_utils.py `get_kv_cache_groups`."""
-    if not kv_cache_spec: return []
+    if not kv_cache_spec:
+        return []
     if is_kv_cache_spec_uniform(kv_cache_spec):
         return create_kv_cache_group_specs(kv_cache_spec, [list(kv_cache_spec)])
     if is_kv_cache_page_size_uniform(kv_cache_spec):
         return _get_kv_cache_groups_uniform_page_size(kv_cache_spec)
-    raise NotImplementedError("Layers with different KV cache page sizes are not supported "
-                              f"({ {type(s).__name__: s.page_size_bytes for s in kv_cache_spec.values()} })")
+    raise NotImplementedError(
+        "Layers with different KV cache page sizes are not supported "
+        f"({ {type(s).__name__: s.page_size_bytes for s in kv_cache_spec.values()} })"
+    )
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #be56b042
 def may_override_num_blocks(vllm_config, num_blocks: int) -> int:
@@ -390,19 +488,24 @@ def may_override_num_blocks(vllm_config, num_blocks: int) -> int:
         return override
     return num_blocks
 
+
 def get_num_blocks(vllm_config, num_layers: int, available_memory: int, page_size: int) -> int:
     "Blocks that fit: `available_memory // page_size // num_layers` (>= 0), possibly overridden. Source: vLLM `get_num_blocks`."
     num_blocks = max(int(available_memory // page_size // num_layers), 0)
     return may_override_num_blocks(vllm_config, num_blocks)
 
+
 def get_uniform_page_size(kv_cache_specs) -> int:
     "The one page size of `kv_cache_specs` (raises `ValueError` if they differ). Source: vLLM `get_uniform_page_size`."
     sizes = {s.page_size_bytes for s in kv_cache_specs}
-    if len(sizes) != 1: raise ValueError(f"expected one page size, got {sorted(sizes)}")
+    if len(sizes) != 1:
+        raise ValueError(f"expected one page size, got {sorted(sizes)}")
     return sizes.pop()
 
-def get_kv_cache_config_from_groups(vllm_config, kv_cache_groups: list[KVCacheGroupSpec],
-                                    available_memory: int) -> KVCacheConfig:
+
+def get_kv_cache_config_from_groups(
+    vllm_config, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> KVCacheConfig:
     """Blocks and tensors for groups of one page size: tensor i (`page_size * num_blocks` bytes) is shared by the
     i-th layer of each group. Source: vLLM kv_cache_utils.py `get_kv_cache_config_from_groups`."""
     if not kv_cache_groups:  # attention-free model: one dummy block keeps the pool well formed
@@ -410,14 +513,19 @@ def get_kv_cache_config_from_groups(vllm_config, kv_cache_groups: list[KVCacheGr
     page_size = get_uniform_page_size([g.kv_cache_spec for g in kv_cache_groups])
     group_size = max(len(g.layer_names) for g in kv_cache_groups)
     num_blocks = get_num_blocks(vllm_config, group_size, available_memory, page_size)
-    tensors = [KVCacheTensor(size=page_size * num_blocks,
-                             shared_by=[g.layer_names[i] for g in kv_cache_groups if i < len(g.layer_names)])
-               for i in range(group_size)]
+    tensors = [
+        KVCacheTensor(
+            size=page_size * num_blocks,
+            shared_by=[g.layer_names[i] for g in kv_cache_groups if i < len(g.layer_names)],
+        )
+        for i in range(group_size)
+    ]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_cache_groups)
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #d5ef8af1
-def get_kv_cache_configs(vllm_config, kv_cache_specs: list[dict[str, KVCacheSpec]],
-                         available_memory: list[int]) -> list[KVCacheConfig]:
+def get_kv_cache_configs(
+    vllm_config, kv_cache_specs: list[dict[str, KVCacheSpec]], available_memory: list[int]
+) -> list[KVCacheConfig]:
     """One `KVCacheConfig` per worker from its `{layer: KVCacheSpec}` and available bytes; all share the smallest
     `num_blocks`. Raises `ValueError` if a request of `max_model_len` does not fit or a layer's specs disagree
     between workers. Source: vLLM kv_cache_utils.py `get_kv_cache_configs`."""
@@ -432,10 +540,13 @@ def get_kv_cache_configs(vllm_config, kv_cache_specs: list[dict[str, KVCacheSpec
     configs = []
     for specs, mem in zip(kv_cache_specs, available_memory):
         check_enough_kv_cache_memory(vllm_config, specs, mem)
-        groups = [KVCacheGroupSpec([n for n in g.layer_names if n in specs], g.kv_cache_spec) for g in global_groups]
+        groups = [
+            KVCacheGroupSpec([n for n in g.layer_names if n in specs], g.kv_cache_spec) for g in global_groups
+        ]
         configs.append(get_kv_cache_config_from_groups(vllm_config, groups, mem))
     min_blocks = min(c.num_blocks for c in configs)
     for c in configs:
-        for t in c.kv_cache_tensors: t.size = t.size // c.num_blocks * min_blocks if c.num_blocks else 0
+        for t in c.kv_cache_tensors:
+            t.size = t.size // c.num_blocks * min_blocks if c.num_blocks else 0
         c.num_blocks = min_blocks
     return configs

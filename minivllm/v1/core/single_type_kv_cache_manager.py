@@ -12,9 +12,17 @@ from collections.abc import Sequence
 
 from .block_pool import BlockPool
 from .kv_cache_utils import BlockHash, BlockHashListWithBlockSize, KVCacheBlock
-from ..kv_cache_interface import (ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec,
-                                            KVCacheSpec, MambaSpec, MLAAttentionSpec, SinkFullAttentionSpec,
-                                            SlidingWindowSpec)
+from minivllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+
 
 def cdiv(a: int, b: int) -> int:
     "Ceiling division of non-negative ints."
@@ -30,8 +38,15 @@ class SingleTypeKVCacheManager(ABC):
     """Block bookkeeping of one KV cache group (`kv_cache_group_id`) whose layers share `kv_cache_spec`.
     With decode context parallelism each block holds `block_size * dcp_world_size` tokens.
     Source: vLLM v1/core/single_type_kv_cache_manager.py `SingleTypeKVCacheManager`."""
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
-                 kv_cache_group_id: int, dcp_world_size: int = 1):
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        dcp_world_size: int = 1,
+    ):
         self.kv_cache_spec, self.block_pool, self.enable_caching = kv_cache_spec, block_pool, enable_caching
         self.block_size = kv_cache_spec.block_size * dcp_world_size
         self.dcp_world_size, self.kv_cache_group_id = dcp_world_size, kv_cache_group_id
@@ -39,8 +54,14 @@ class SingleTypeKVCacheManager(ABC):
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock],
-                                   total_computed_tokens: int, num_tokens_main_model: int) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+    ) -> int:
         """Free blocks this group would consume to give the request `num_tokens` slots, counting prefix-cache hits
         (`new_computed_blocks`) that must leave the free queue."""
         num_required_blocks = cdiv(num_tokens, self.block_size)
@@ -50,11 +71,18 @@ class SingleTypeKVCacheManager(ABC):
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_local_computed_blocks = len(new_computed_blocks) + len(req_blocks)
         num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_computed_blocks), 0)
-        num_evictable = sum(b.ref_cnt == 0 and not b.is_null for b in new_computed_blocks[num_skipped_blocks:])
+        num_evictable = sum(
+            b.ref_cnt == 0 and not b.is_null for b in new_computed_blocks[num_skipped_blocks:]
+        )
         return num_new_blocks + num_evictable
 
-    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
-                                     num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
         """Start a new request's block list from its prefix-cache hits (skipped ones as null blocks), plus fresh
         blocks for tokens a KV connector will load. A running request must bring no hits."""
         if request_id in self.num_cached_block:
@@ -68,19 +96,26 @@ class SingleTypeKVCacheManager(ABC):
         if num_skipped_blocks > 0:
             new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
             num_external_computed_tokens = min(num_total - num_skipped_tokens, num_external_computed_tokens)
-        if self.enable_caching: self.block_pool.touch(new_computed_blocks)
-        else: assert not new_computed_blocks, "prefix-cache hits with caching disabled"
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_blocks)
+        else:
+            assert not new_computed_blocks, "prefix-cache hits with caching disabled"
         req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
         if num_external_computed_tokens > 0:
-            req_blocks.extend(self.block_pool.get_new_blocks(cdiv(num_total, self.block_size) - len(req_blocks)))
+            req_blocks.extend(
+                self.block_pool.get_new_blocks(cdiv(num_total, self.block_size) - len(req_blocks))
+            )
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
         "Grow the request's list to `cdiv(num_tokens, block_size)` blocks; returns only the new ones."
         req_blocks = self.req_to_blocks[request_id]
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        if num_new_blocks <= 0: return []
+        if num_new_blocks <= 0:
+            return []
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         return new_blocks
@@ -89,9 +124,16 @@ class SingleTypeKVCacheManager(ABC):
         "Register the request's blocks that became full within its first `num_tokens` tokens."
         num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
         num_full_blocks = num_tokens // self.block_size
-        if num_cached_blocks >= num_full_blocks: return
-        self.block_pool.cache_full_blocks(request, self.req_to_blocks[request.request_id], num_cached_blocks,
-                                          num_full_blocks, self.block_size, self.kv_cache_group_id)
+        if num_cached_blocks >= num_full_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[request.request_id],
+            num_cached_blocks,
+            num_full_blocks,
+            self.block_size,
+            self.kv_cache_group_id,
+        )
         self.num_cached_block[request.request_id] = num_full_blocks
 
     def free(self, request_id: str) -> None:
@@ -107,14 +149,17 @@ class SingleTypeKVCacheManager(ABC):
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         "Replace the blocks of skipped tokens by the null block and return them to the pool."
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
-        if num_skipped_tokens <= 0: return
+        if num_skipped_tokens <= 0:
+            return
         blocks = self.req_to_blocks.get(request_id)
-        if not blocks: return
+        if not blocks:
+            return
         # skipped tokens may run past the allocated blocks (window moved into tokens not yet allocated)
         num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
         removed = []
         for i in range(num_skipped_blocks - 1, -1, -1):
-            if blocks[i] is self._null_block: break  # an earlier call already cleared everything before
+            if blocks[i] is self._null_block:
+                break  # an earlier call already cleared everything before
             removed.append(blocks[i])
             blocks[i] = self._null_block
         self.block_pool.free_blocks(removed)
@@ -125,52 +170,88 @@ class SingleTypeKVCacheManager(ABC):
 
     @classmethod
     @abstractmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, kv_cache_group_ids: list[int],
-                               block_pool: BlockPool, kv_cache_spec: KVCacheSpec, use_eagle: bool,
-                               alignment_tokens: int, dcp_world_size: int = 1) -> tuple[list[KVCacheBlock], ...]:
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
         """Longest cached prefix of at most `max_length` tokens usable by this attention type, one block list per
         group in `kv_cache_group_ids` (skipped positions hold the null block); its length in tokens is a multiple of
         `alignment_tokens`. With `use_eagle` the last hit block is dropped (its hidden states must be recomputed)."""
 
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #e48cb336
-def _trim_to_alignment(computed: tuple[list[KVCacheBlock], ...], block_size: int, alignment_tokens: int) -> None:
+def _trim_to_alignment(
+    computed: tuple[list[KVCacheBlock], ...], block_size: int, alignment_tokens: int
+) -> None:
     while block_size != alignment_tokens and len(computed[0]) * block_size % alignment_tokens:
-        for blocks in computed: blocks.pop()
+        for blocks in computed:
+            blocks.pop()
+
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     "Causal attention over the whole context: every block is kept. Source: vLLM `FullAttentionManager`."
+
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               use_eagle, alignment_tokens, dcp_world_size=1):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        use_eagle,
+        alignment_tokens,
+        dcp_world_size=1,
+    ):
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         block_size = kv_cache_spec.block_size * dcp_world_size
         for block_hash in itertools.islice(block_hashes, max_length // block_size):
             cached = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
-            if cached is None: break  # the chain broke: nothing later can hit
-            for blocks, block in zip(computed, cached): blocks.append(block)
+            if cached is None:
+                break  # the chain broke: nothing later can hit
+            for blocks, block in zip(computed, cached):
+                blocks.append(block)
         if use_eagle and computed[0]:
-            for blocks in computed: blocks.pop()
+            for blocks in computed:
+                blocks.pop()
         _trim_to_alignment(computed, block_size, alignment_tokens)
         return computed
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         num_requests, n = len(self.req_to_blocks), 0
         for block in self.req_to_blocks.get(running_request_id, ()):
-            if block.ref_cnt != num_requests: break
+            if block.ref_cnt != num_requests:
+                break
             n += 1
         return n
 
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #ed870671
 class SlidingWindowManager(SingleTypeKVCacheManager):
     "Attention over the last `sliding_window` tokens; older blocks are freed. Source: vLLM `SlidingWindowManager`."
+
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, **kwargs):
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         assert self.dcp_world_size == 1, "sliding window does not support decode context parallelism"
         self.sliding_window = kv_cache_spec.sliding_window
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               use_eagle, alignment_tokens, dcp_world_size=1):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        use_eagle,
+        alignment_tokens,
+        dcp_world_size=1,
+    ):
         assert dcp_world_size == 1, "sliding window does not support decode context parallelism"
         block_size = kv_cache_spec.block_size
         contiguous_needed = cdiv(kv_cache_spec.sliding_window - 1, block_size) + (1 if use_eagle else 0)
@@ -185,17 +266,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 continue
             if run == 0 and block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
                 continue  # a run must end on an aligned token
-            for blocks, block in zip(computed, cached): blocks[i] = block
+            for blocks, block in zip(computed, cached):
+                blocks[i] = block
             run += 1
             if run >= contiguous_needed:
-                for blocks in computed: del blocks[i + run:]
+                for blocks in computed:
+                    del blocks[i + run :]
                 found = True
                 break
         if not found:  # the run starting at block 0, however short, is still a hit
-            for blocks in computed: del blocks[run:]
+            for blocks in computed:
+                del blocks[run:]
             _trim_to_alignment(computed, block_size, alignment_tokens)
         if use_eagle and computed[0]:
-            for blocks in computed: blocks.pop()
+            for blocks in computed:
+                blocks.pop()
         return computed
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -204,13 +289,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #bcc1d93c
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     "Attention within chunks of `attention_chunk_size` tokens. Source: vLLM `ChunkedLocalAttentionManager`."
+
     def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, **kwargs):
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               use_eagle, alignment_tokens, dcp_world_size=1):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        use_eagle,
+        alignment_tokens,
+        dcp_world_size=1,
+    ):
         assert not use_eagle, "chunked local attention does not support EAGLE"
         assert dcp_world_size == 1, "chunked local attention does not support decode context parallelism"
         block_size, chunk = kv_cache_spec.block_size, kv_cache_spec.attention_chunk_size
@@ -220,8 +315,10 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         computed = tuple([block_pool.null_block] * start_block for _ in kv_cache_group_ids)
         for i in range(start_block, min(max_num_blocks, len(block_hashes))):
             cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if cached is None: break
-            for blocks, block in zip(computed, cached): blocks.append(block)
+            if cached is None:
+                break
+            for blocks, block in zip(computed, cached):
+                blocks.append(block)
         _trim_to_alignment(computed, block_size, alignment_tokens)
         return computed
 
@@ -232,59 +329,84 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 class MambaManager(SingleTypeKVCacheManager):
     """State of a state-space layer: only the latest state block is kept. `mamba_cache_mode` "none" (one block,
     no caching) or "align" (a state per block boundary, cacheable). Source: vLLM `MambaManager`."""
+
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs):
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         if kv_cache_spec.mamba_cache_mode not in ("none", "align"):
-            raise ValueError(f"mamba_cache_mode must be 'none' or 'align'; got {kv_cache_spec.mamba_cache_mode!r}")
+            raise ValueError(
+                f"mamba_cache_mode must be 'none' or 'align'; got {kv_cache_spec.mamba_cache_mode!r}"
+            )
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               use_eagle, alignment_tokens, dcp_world_size=1):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        use_eagle,
+        alignment_tokens,
+        dcp_world_size=1,
+    ):
         assert dcp_world_size == 1, "Mamba does not support decode context parallelism"
         block_size = kv_cache_spec.block_size
         max_num_blocks = min(max_length // block_size, len(block_hashes))
         computed = tuple([] for _ in kv_cache_group_ids)
         for i in range(max_num_blocks - 1, -1, -1):
-            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens: continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
             cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
             if cached is not None:
-                for blocks, block in zip(computed, cached): blocks.extend([block_pool.null_block] * i + [block])
+                for blocks, block in zip(computed, cached):
+                    blocks.extend([block_pool.null_block] * i + [block])
                 break
         if use_eagle and computed[0]:
-            for blocks in computed: blocks.pop()
+            for blocks in computed:
+                blocks.pop()
         return computed
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(num_computed_tokens - 1, 0)
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                                   num_tokens_main_model) -> int:
+    def get_num_blocks_to_allocate(
+        self, request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_tokens_main_model
+    ) -> int:
         if self.mamba_cache_mode == "none":
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
-                                                      total_computed_tokens, num_tokens_main_model)
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_tokens_main_model
+            )
         req_blocks = self.req_to_blocks.get(request_id, ())
         num_positions = len(req_blocks) if request_id in self.num_cached_block else len(new_computed_blocks)
-        num_evictable = 0 if request_id in self.num_cached_block else sum(
-            b.ref_cnt == 0 and not b.is_null for b in new_computed_blocks)
+        num_evictable = (
+            0
+            if request_id in self.num_cached_block
+            else sum(b.ref_cnt == 0 and not b.is_null for b in new_computed_blocks)
+        )
         return (1 if cdiv(num_tokens, self.block_size) > num_positions else 0) + num_evictable
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model) -> list[KVCacheBlock]:
-        if self.mamba_cache_mode == "none": return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        if self.mamba_cache_mode == "none":
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         req_blocks = self.req_to_blocks[request_id]
         num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        if num_new <= 0: return []
+        if num_new <= 0:
+            return []
         new_blocks = self.block_pool.get_new_blocks(1)  # only the block of the newest state is real
         req_blocks.extend([self._null_block] * (num_new - 1) + new_blocks)
         return new_blocks
 
     def cache_blocks(self, request, num_tokens: int) -> None:
-        if self.mamba_cache_mode == "align": super().cache_blocks(request, num_tokens)
+        if self.mamba_cache_mode == "align":
+            super().cache_blocks(request, num_tokens)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        if self.mamba_cache_mode == "none": return super().remove_skipped_blocks(request_id, total_computed_tokens)
+        if self.mamba_cache_mode == "none":
+            return super().remove_skipped_blocks(request_id, total_computed_tokens)
         blocks = self.req_to_blocks.get(request_id)
-        if not blocks: return
+        if not blocks:
+            return
         # null blocks sit between real ones in align mode, so look at every skipped position
         num_skipped = min(self.get_num_skipped_tokens(total_computed_tokens) // self.block_size, len(blocks))
         removed = [b for b in blocks[:num_skipped] if not b.is_null]
@@ -294,9 +416,19 @@ class MambaManager(SingleTypeKVCacheManager):
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #c34db802
 class CrossAttentionManager(SingleTypeKVCacheManager):
     "Decoder cross-attention to the request's own encoder output: no caching, no skipping. Source: vLLM `CrossAttentionManager`."
+
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-                               use_eagle, alignment_tokens, dcp_world_size=1):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        use_eagle,
+        alignment_tokens,
+        dcp_world_size=1,
+    ):
         raise NotImplementedError("CrossAttentionManager does not support prefix caching")
 
     def cache_blocks(self, request, num_tokens: int) -> None:
@@ -305,11 +437,14 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #83dabdae
 class SinkFullAttentionManager(FullAttentionManager):
     "Full attention plus `sink_len` sink tokens in blocks reserved at start-up. Source: vLLM `SinkFullAttentionManager`."
+
     def __init__(self, kv_cache_spec: SinkFullAttentionSpec, block_pool: BlockPool, **kwargs):
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         sink_len = kv_cache_spec.sink_len
         if sink_len <= 0 or sink_len % self.block_size:
-            raise ValueError(f"sink_len must be a positive multiple of block_size {self.block_size}; got {sink_len}")
+            raise ValueError(
+                f"sink_len must be a positive multiple of block_size {self.block_size}; got {sink_len}"
+            )
         self.sink_blocks = self.block_pool.free_block_queue.popleft_n(sink_len // self.block_size)
 
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #ac28e6c6
@@ -323,8 +458,11 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     SinkFullAttentionSpec: SinkFullAttentionManager,
 }
 
+
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, **kwargs) -> SingleTypeKVCacheManager:
     "Build the manager for `type(kv_cache_spec)` with `kwargs` (block_pool, enable_caching, kv_cache_group_id, ...). Source: vLLM."
-    try: manager_class = spec_manager_map[type(kv_cache_spec)]
-    except KeyError: raise ValueError(f"No KV cache manager for {type(kv_cache_spec).__name__}") from None
+    try:
+        manager_class = spec_manager_map[type(kv_cache_spec)]
+    except KeyError:
+        raise ValueError(f"No KV cache manager for {type(kv_cache_spec).__name__}") from None
     return manager_class(kv_cache_spec, **kwargs)

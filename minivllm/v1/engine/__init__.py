@@ -21,19 +21,26 @@ __all__ = ['FinishReason', 'EngineCoreEventType', 'EngineCoreEvent', 'EngineCore
 class FinishReason(enum.IntEnum):
     """Why a request ended; an int on the wire, a string for the user ("stop", "length", "abort").
     Source: vLLM v1/engine/__init__.py `FinishReason`."""
+
     STOP = 0
     LENGTH = 1
     ABORT = 2
-    def __str__(self): return self.name.lower()
+
+    def __str__(self):
+        return self.name.lower()
+
 
 class EngineCoreEventType(enum.IntEnum):
     "Request lifecycle events recorded in the engine core (for metrics). Source: vLLM v1/engine/__init__.py."
+
     QUEUED = 1
     SCHEDULED = 2
     PREEMPTED = 3
 
+
 class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     "A timestamped lifecycle event (time.monotonic seconds)."
+
     type: EngineCoreEventType
     timestamp: float
 
@@ -47,6 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     `prompt_token_ids`: list[int] of length >= 1. `arrival_time`: time.time() seconds. `request_id`
     is the internal id (external id + 8 random characters). Source: vLLM v1/engine/__init__.py:55."""
+
     request_id: str
     prompt_token_ids: list[int] | None
     mm_features: list | None
@@ -70,12 +78,15 @@ class LogprobsLists(NamedTuple):
 
     Shapes: logprob_token_ids, logprobs: (num_tokens, num_logprobs + 1); sampled_token_ranks: (num_tokens,).
     Source: vLLM v1/outputs.py `LogprobsLists`."""
+
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
 
     def slice(self, start: int, end: int) -> "LogprobsLists":
-        return LogprobsLists(self.logprob_token_ids[start:end], self.logprobs[start:end], self.sampled_token_ranks[start:end])
+        return LogprobsLists(
+            self.logprob_token_ids[start:end], self.logprobs[start:end], self.sampled_token_ranks[start:end]
+        )
 
 # %% ../../../nbs/04_engine.ipynb #9a308774
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -84,6 +95,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     `finish_reason` None while running. `stop_reason`: the stop token id or stop string that ended it.
     `new_prompt_logprobs`: LogprobsLists over prompt positions (first step only).
     Source: vLLM v1/engine/__init__.py:130 `EngineCoreOutput`."""
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
@@ -97,11 +109,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
 
     @property
-    def finished(self) -> bool: return self.finish_reason is not None
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """All outputs of one engine step for one client, plus scheduler stats and a timestamp (time.monotonic).
     Source: vLLM v1/engine/__init__.py:176 `EngineCoreOutputs`."""
+
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: Any | None = None
@@ -112,10 +127,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     start_wave: int | None = None
 
     def __post_init__(self):
-        if self.timestamp == 0.0: self.timestamp = time.monotonic()
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()
+
 
 class EngineCoreRequestType(enum.Enum):
     "First frame of a message to the engine core process: what the payload is. Source: vLLM v1/engine/__init__.py."
+
     ADD = b"\x00"
     ABORT = b"\x01"
     START_DP_WAVE = b"\x02"

@@ -19,17 +19,21 @@ __all__ = ['LogprobsProcessor']
 def _decode(tokenizer: Any, token_id: int) -> str | None:
     return None if tokenizer is None else tokenizer.decode([token_id])
 
-def _make_logprob_dict(logprobs: list[float], token_ids: list[int], decoded: list[str | None],
-                       rank: int, num_logprobs: int) -> dict[int, Logprob]:
+
+def _make_logprob_dict(
+    logprobs: list[float], token_ids: list[int], decoded: list[str | None], rank: int, num_logprobs: int
+) -> dict[int, Logprob]:
     """{token_id: Logprob} for one position: the sampled token (its own `rank`) then the top-`num_logprobs`
     (ranks 1..k). Source: vLLM v1/engine/logprobs.py `_make_logprob_dict`."""
     ranks = itertools.chain((rank,), range(1, num_logprobs + 1))
     return {tid: Logprob(lp, r, tok) for tid, lp, r, tok in zip(token_ids, logprobs, ranks, decoded)}
 
+
 @dataclass
 class LogprobsProcessor:
     """Per-request logprobs state. `num_logprobs` / `num_prompt_logprobs`: the request's k (None = not asked).
     Source: vLLM v1/engine/logprobs.py `LogprobsProcessor`."""
+
     tokenizer: Any
     logprobs: SampleLogprobs | None
     prompt_logprobs: PromptLogprobs | None
@@ -42,8 +46,14 @@ class LogprobsProcessor:
     def from_new_request(cls, tokenizer: Any, request: EngineCoreRequest) -> "LogprobsProcessor":
         sp = request.sampling_params
         n, n_prompt = (sp.logprobs, sp.prompt_logprobs) if sp is not None else (None, None)
-        return cls(tokenizer, [] if n is not None else None, [] if n_prompt is not None else None,
-                   0.0 if n is not None else None, n, n_prompt)
+        return cls(
+            tokenizer,
+            [] if n is not None else None,
+            [] if n_prompt is not None else None,
+            0.0 if n is not None else None,
+            n,
+            n_prompt,
+        )
 
     def _update_sample_logprobs(self, lists: LogprobsLists) -> None:
         for token_ids, lps, rank in zip(*lists):
@@ -58,12 +68,15 @@ class LogprobsProcessor:
             self.prompt_started = True
         for token_ids, lps, rank in zip(*lists):
             decoded = [_decode(self.tokenizer, t) for t in token_ids]
-            self.prompt_logprobs.append(_make_logprob_dict(lps, token_ids, decoded, rank, self.num_prompt_logprobs))
+            self.prompt_logprobs.append(
+                _make_logprob_dict(lps, token_ids, decoded, rank, self.num_prompt_logprobs)
+            )
 
     def pop_prompt_logprobs(self) -> PromptLogprobs | None:
         "Prompt logprobs gathered so far, handed out once (later outputs get [] for DELTA)."
         plp = self.prompt_logprobs
-        if plp: self.prompt_logprobs = []
+        if plp:
+            self.prompt_logprobs = []
         return plp
 
     def update_from_output(self, output: EngineCoreOutput) -> None:

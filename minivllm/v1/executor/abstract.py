@@ -23,21 +23,28 @@ __all__ = ['run_method', 'Executor']
 def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict) -> Any:
     "Call `obj.<method>(*args, **kwargs)` or `method(obj, *args, **kwargs)`. Source: vLLM utils `run_method`."
     if isinstance(method, str):
-        try: func = getattr(obj, method)
-        except AttributeError: raise NotImplementedError(f"{type(obj).__name__} has no method {method!r}") from None
+        try:
+            func = getattr(obj, method)
+        except AttributeError:
+            raise NotImplementedError(f"{type(obj).__name__} has no method {method!r}") from None
         return func(*args, **kwargs)
     return method(obj, *args, **kwargs)
 
+
 def _first(output: list | Future, non_block: bool) -> Any:
-    if not non_block: return output[0]
+    if not non_block:
+        return output[0]
     fut: Future = Future()
-    output.add_done_callback(lambda f: fut.set_exception(f.exception()) if f.exception() else fut.set_result(f.result()[0]))
+    output.add_done_callback(
+        lambda f: fut.set_exception(f.exception()) if f.exception() else fut.set_result(f.result()[0])
+    )
     return fut
 
 # %% ../../../nbs/45_executor.ipynb #efd27169
 class Executor(ABC):
     """Runs the workers of one engine. Subclasses implement `_init_executor`, `collective_rpc`, `check_health`.
     Source: vLLM v1/executor/abstract.py `Executor`."""
+
     uses_ray: bool = False
     supports_pp: bool = False
 
@@ -46,22 +53,30 @@ class Executor(ABC):
         """The executor class for `parallel_config.distributed_executor_backend` ("uni", "mp"; or an Executor subclass).
         Raises NotImplementedError for "ray", ValueError for anything else."""
         backend = vllm_config.parallel_config.distributed_executor_backend
-        if isinstance(backend, type) and issubclass(backend, Executor): return backend
+        if isinstance(backend, type) and issubclass(backend, Executor):
+            return backend
         if backend == "uni":
             from minivllm.v1.executor.uniproc_executor import UniProcExecutor
+
             return UniProcExecutor
         if backend == "mp":
             from minivllm.v1.executor.multiproc_executor import MultiprocExecutor
+
             return MultiprocExecutor
         if backend == "ray":
-            raise NotImplementedError(f"distributed_executor_backend={backend!r} is not implemented yet; "
-                                      "use distributed_executor_backend='uni'")
+            raise NotImplementedError(
+                f"distributed_executor_backend={backend!r} is not implemented yet; "
+                "use distributed_executor_backend='uni'"
+            )
         raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray'; got {backend!r}")
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.model_config, self.cache_config = vllm_config.model_config, vllm_config.cache_config
-        self.parallel_config, self.scheduler_config = vllm_config.parallel_config, vllm_config.scheduler_config
+        self.parallel_config, self.scheduler_config = (
+            vllm_config.parallel_config,
+            vllm_config.scheduler_config,
+        )
         self.is_sleeping = False
         self._init_executor()
 
@@ -69,8 +84,14 @@ class Executor(ABC):
     def _init_executor(self) -> None: ...
 
     @abstractmethod
-    def collective_rpc(self, method: str | Callable[..., _R], timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None, non_block: bool = False) -> list[_R] | Future[list[_R]]:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., _R],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+    ) -> list[_R] | Future[list[_R]]:
         "Run `method` on every worker; the list of their results (a Future of it when non_block)."
 
     @abstractmethod
@@ -91,14 +112,23 @@ class Executor(ABC):
     def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
         return self.collective_rpc("get_kv_cache_spec")
 
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput | None | Future:
-        return _first(self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block), non_block)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future:
+        return _first(
+            self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block), non_block
+        )
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> ModelRunnerOutput | Future:
-        return _first(self.collective_rpc("sample_tokens", args=(grammar_output,), non_block=non_block), non_block)
+        return _first(
+            self.collective_rpc("sample_tokens", args=(grammar_output,), non_block=non_block), non_block
+        )
 
-    def execute_dummy_batch(self) -> None: self.collective_rpc("execute_dummy_batch")
-    def get_supported_tasks(self) -> tuple[str, ...]: return self.collective_rpc("get_supported_tasks")[0]
+    def execute_dummy_batch(self) -> None:
+        self.collective_rpc("execute_dummy_batch")
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.collective_rpc("get_supported_tasks")[0]
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -41,9 +41,11 @@ MQ_MAX_CHUNK_BYTES = int(float(os.environ.get("MINIVLLM_MQ_MAX_CHUNK_BYTES_MB", 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("MINIVLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300"))
 WORKER_STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_WORKER_STARTUP_TIMEOUT_SECONDS", "600"))
 
+
 def _mp_context() -> multiprocessing.context.BaseContext:
     "spawn unless MINIVLLM_WORKER_MULTIPROC_METHOD says otherwise (a forked child can inherit held locks; see core_client_mp)."
     return multiprocessing.get_context(os.environ.get("MINIVLLM_WORKER_MULTIPROC_METHOD", "spawn"))
+
 
 def get_open_port() -> int:
     "A free TCP port on localhost (for `distributed_init_method`)."
@@ -51,12 +53,15 @@ def get_open_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 def _dumps_callable(fn: Callable) -> bytes:
     try:
         import cloudpickle
+
         return cloudpickle.dumps(fn)
     except ImportError:
         return pickle.dumps(fn)
+
 
 def _picklable_error(e: BaseException) -> BaseException:
     "`e` if it survives a pickle round trip, else a RuntimeError carrying its text."
@@ -65,6 +70,7 @@ def _picklable_error(e: BaseException) -> BaseException:
         return e
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}")
+
 
 def _exit_description(proc: BaseProcess) -> str:
     code = proc.exitcode
@@ -75,18 +81,33 @@ class ResponseStatus(Enum):
     SUCCESS = "SUCCESS"
     FAILURE = "FAILURE"
 
+
 READY_STR = "READY"
+
 
 class WorkerProc:
     """A `Worker` in its own process, serving RPCs from `rpc_broadcast_mq` and answering on `worker_response_mq`.
     Source: vLLM v1/executor/multiproc_executor.py `WorkerProc`."""
-    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
-                 input_shm_handle: Handle):
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        input_shm_handle: Handle,
+    ):
         from minivllm.v1.worker.gpu_worker import Worker
+
         self.rank = rank
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.worker = Worker(vllm_config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method,
-                             is_driver_worker=rank % tp_size == 0)
+        self.worker = Worker(
+            vllm_config,
+            local_rank=local_rank,
+            rank=rank,
+            distributed_init_method=distributed_init_method,
+            is_driver_worker=rank % tp_size == 0,
+        )
         self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, rank)
         self.worker_response_mq = MessageQueue(1, max_chunk_bytes=MQ_MAX_CHUNK_BYTES)
         try:
@@ -99,40 +120,64 @@ class WorkerProc:
     def worker_busy_loop(self, cancel: threading.Event | None = None) -> None:
         "Serve RPCs until `cancel` is set. Source: vLLM `WorkerProc.worker_busy_loop`."
         while True:
-            try: method, args, kwargs, output_rank = self.rpc_broadcast_mq.dequeue(cancel=cancel)
+            try:
+                method, args, kwargs, output_rank = self.rpc_broadcast_mq.dequeue(cancel=cancel)
             except RuntimeError:
-                if cancel is not None and cancel.is_set(): return
+                if cancel is not None and cancel.is_set():
+                    return
                 raise
             try:
-                if isinstance(method, bytes): method = pickle.loads(method)
+                if isinstance(method, bytes):
+                    method = pickle.loads(method)
                 status, output = ResponseStatus.SUCCESS, run_method(self.worker, method, args, kwargs)
             except Exception as e:
                 logger.exception("WorkerProc rank %d: RPC %r failed", self.rank, method)
                 status, output = ResponseStatus.FAILURE, _picklable_error(e)
             if output_rank is None or output_rank == self.rank:
-                try: self.worker_response_mq.enqueue((status, output))
+                try:
+                    self.worker_response_mq.enqueue((status, output))
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
-                    self.worker_response_mq.enqueue((ResponseStatus.FAILURE, RuntimeError(f"cannot send the result back: {e}")))
+                    self.worker_response_mq.enqueue(
+                        (ResponseStatus.FAILURE, RuntimeError(f"cannot send the result back: {e}"))
+                    )
 
     def shutdown(self) -> None:
         "Release the worker's model and both queues (this side unlinks the response queue's shared memory)."
         worker, self.worker = getattr(self, "worker", None), None
-        if worker is not None and worker.model_runner is not None: worker.shutdown()
+        if worker is not None and worker.model_runner is not None:
+            worker.shutdown()
         for mq in (getattr(self, "rpc_broadcast_mq", None), getattr(self, "worker_response_mq", None)):
-            if mq is not None: mq.close()
+            if mq is not None:
+                mq.close()
 
 # %% ../../../nbs/45c_multiproc_executor.ipynb #5b4f297a
-def _worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
-                 input_shm_handle: Handle, ready_pipe: Connection, death_pipe: Connection) -> None:
+def _worker_main(
+    vllm_config: VllmConfig,
+    local_rank: int,
+    rank: int,
+    distributed_init_method: str,
+    input_shm_handle: Handle,
+    ready_pipe: Connection,
+    death_pipe: Connection,
+) -> None:
     "Entry point of a worker process. Source: vLLM `WorkerProc.worker_main`."
-    def _term(signum, frame): raise SystemExit(0)
+
+    def _term(signum, frame):
+        raise SystemExit(0)
+
     signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the executor decides when we stop
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C goes to the whole group; the executor decides when we stop
     shutdown_event = threading.Event()
+
     def monitor_parent():
-        try: death_pipe.recv()
-        except (EOFError, OSError): pass
+        try:
+            death_pipe.recv()
+        except (EOFError, OSError):
+            pass
         shutdown_event.set()
+
     threading.Thread(target=monitor_parent, daemon=True, name="WorkerProcDeathMonitor").start()
     proc = None
     try:
@@ -146,12 +191,16 @@ def _worker_main(vllm_config: VllmConfig, local_rank: int, rank: int, distribute
         logger.debug("WorkerProc rank %d exiting", rank)
     except BaseException as e:
         if proc is None:
-            try: ready_pipe.send({"status": "FAILED", "error": f"{type(e).__name__}: {e}"})
-            except (OSError, ValueError): pass
+            try:
+                ready_pipe.send({"status": "FAILED", "error": f"{type(e).__name__}: {e}"})
+            except (OSError, ValueError):
+                pass
         logger.exception("WorkerProc rank %d failed", rank)
         raise
     finally:
-        if proc is not None: proc.shutdown()
+        if proc is not None:
+            proc.shutdown()
+
 
 WorkerProc.worker_main = staticmethod(_worker_main)
 
@@ -159,34 +208,57 @@ WorkerProc.worker_main = staticmethod(_worker_main)
 @dataclass
 class UnreadyWorkerProcHandle:
     "A started worker process that has not sent READY yet."
+
     proc: BaseProcess
     rank: int
     ready_pipe: Connection
     death_writer: Connection
 
+
 @dataclass
 class WorkerProcHandle:
     "A ready worker: its process, rank, the executor's reader of its response queue, and the death pipe's write end."
+
     proc: BaseProcess
     rank: int
     worker_response_mq: MessageQueue
     death_writer: Connection
 
-def _make_worker_process(vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
-                         input_shm_handle: Handle) -> UnreadyWorkerProcHandle:
+
+def _make_worker_process(
+    vllm_config: VllmConfig,
+    local_rank: int,
+    rank: int,
+    distributed_init_method: str,
+    input_shm_handle: Handle,
+) -> UnreadyWorkerProcHandle:
     "Start `worker_main` for `rank` in a new (spawned, daemon) process."
     ctx = _mp_context()
     ready_reader, ready_writer = ctx.Pipe(duplex=False)
     death_reader, death_writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=WorkerProc.worker_main, name=f"VllmWorker-{rank}", daemon=True,
-                       kwargs=dict(vllm_config=vllm_config, local_rank=local_rank, rank=rank,
-                                   distributed_init_method=distributed_init_method, input_shm_handle=input_shm_handle,
-                                   ready_pipe=ready_writer, death_pipe=death_reader))
+    proc = ctx.Process(
+        target=WorkerProc.worker_main,
+        name=f"VllmWorker-{rank}",
+        daemon=True,
+        kwargs=dict(
+            vllm_config=vllm_config,
+            local_rank=local_rank,
+            rank=rank,
+            distributed_init_method=distributed_init_method,
+            input_shm_handle=input_shm_handle,
+            ready_pipe=ready_writer,
+            death_pipe=death_reader,
+        ),
+    )
     proc.start()
-    ready_writer.close(); death_reader.close()   # the child holds the only other ends: its death closes them
+    ready_writer.close()
+    death_reader.close()  # the child holds the only other ends: its death closes them
     return UnreadyWorkerProcHandle(proc, rank, ready_reader, death_writer)
 
-def _wait_for_ready(unready: list[UnreadyWorkerProcHandle], timeout: float = WORKER_STARTUP_TIMEOUT_S) -> list[WorkerProcHandle]:
+
+def _wait_for_ready(
+    unready: list[UnreadyWorkerProcHandle], timeout: float = WORKER_STARTUP_TIMEOUT_S
+) -> list[WorkerProcHandle]:
     """Wait for every worker's READY. Raises RuntimeError naming the first worker that fails or dies during start-up,
     TimeoutError after `timeout` s."""
     pending = {h.ready_pipe: h for h in unready}
@@ -194,22 +266,33 @@ def _wait_for_ready(unready: list[UnreadyWorkerProcHandle], timeout: float = WOR
     deadline = time.monotonic() + timeout
     while pending:
         remaining = deadline - time.monotonic()
-        if remaining <= 0: raise TimeoutError(f"workers {[h.proc.name for h in pending.values()]} not ready after {timeout:.0f} s")
+        if remaining <= 0:
+            raise TimeoutError(
+                f"workers {[h.proc.name for h in pending.values()]} not ready after {timeout:.0f} s"
+            )
         sentinels = {h.proc.sentinel: h for h in pending.values()}
         for obj in wait_for_objects([*pending, *sentinels], timeout=remaining):
             h = pending.pop(obj, None) or sentinels[obj]
             pending.pop(h.ready_pipe, None)
-            try: msg = h.ready_pipe.recv() if h.ready_pipe.poll() else None
-            except (EOFError, OSError): msg = None
+            try:
+                msg = h.ready_pipe.recv() if h.ready_pipe.poll() else None
+            except (EOFError, OSError):
+                msg = None
             if not msg or msg.get("status") != READY_STR:
-                if msg is None: h.proc.join(timeout=5)
+                if msg is None:
+                    h.proc.join(timeout=5)
                 why = msg["error"] if msg else f"the process died ({_exit_description(h.proc)})"
-                raise RuntimeError(f"Worker {h.proc.name} (rank {h.rank}) failed during start-up: {why}. "
-                                   "See the worker's log above for the root cause.")
+                raise RuntimeError(
+                    f"Worker {h.proc.name} (rank {h.rank}) failed during start-up: {why}. "
+                    "See the worker's log above for the root cause."
+                )
             h.ready_pipe.close()
-            ready[h.rank] = WorkerProcHandle(h.proc, h.rank, MessageQueue.create_from_handle(msg["handle"], 0), h.death_writer)
-            break   # `pending` changed: rebuild the wait list
+            ready[h.rank] = WorkerProcHandle(
+                h.proc, h.rank, MessageQueue.create_from_handle(msg["handle"], 0), h.death_writer
+            )
+            break  # `pending` changed: rebuild the wait list
     return [ready[r] for r in sorted(ready)]
+
 
 WorkerProc.make_worker_process = staticmethod(_make_worker_process)
 WorkerProc.wait_for_ready = staticmethod(_wait_for_ready)
@@ -218,14 +301,19 @@ WorkerProc.wait_for_ready = staticmethod(_wait_for_ready)
 def _unlink_shm(name: str) -> None:
     "Unlink a shared-memory block left by a worker that could not clean up (a no-op if it is gone)."
     from multiprocessing import shared_memory
+
     try:
         with patch("multiprocessing.resource_tracker.register", lambda *a, **k: None):
             shm = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError: return
-    shm.close(); shm.unlink()
+    except FileNotFoundError:
+        return
+    shm.close()
+    shm.unlink()
+
 
 class _ExecutorResources:
     "Everything a `MultiprocExecutor` must release; calling it releases it (idempotent)."
+
     def __init__(self):
         self.shutting_down = False
         self.shutdown_event = threading.Event()
@@ -235,39 +323,56 @@ class _ExecutorResources:
         self.io_thread_pool: ThreadPoolExecutor | None = None
 
     def __call__(self, join_timeout: float = 5.0) -> None:
-        if self.shutting_down: return
+        if self.shutting_down:
+            return
         self.shutting_down = True
         self.shutdown_event.set()
-        procs = [h.proc for h in self.unready]   # every started process, ready or not
+        procs = [h.proc for h in self.unready]  # every started process, ready or not
         for h in self.unready:
-            try: h.death_writer.close()
-            except OSError: pass
+            try:
+                h.death_writer.close()
+            except OSError:
+                pass
         deadline = time.monotonic() + join_timeout
-        for p in procs: p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
-            if p.is_alive(): p.terminate()
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
         for p in procs:
             p.join(2)
-            if p.is_alive(): p.kill(); p.join(1)
-        if self.io_thread_pool is not None: self.io_thread_pool.shutdown(wait=True)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        if self.io_thread_pool is not None:
+            self.io_thread_pool.shutdown(wait=True)
         for h in self.workers:
-            name = h.worker_response_mq.buffer.shared_memory.name if h.worker_response_mq.buffer.shared_memory else None
+            name = (
+                h.worker_response_mq.buffer.shared_memory.name
+                if h.worker_response_mq.buffer.shared_memory
+                else None
+            )
             h.worker_response_mq.close()
-            if name: _unlink_shm(name)
-        if self.rpc_broadcast_mq is not None: self.rpc_broadcast_mq.close()
+            if name:
+                _unlink_shm(name)
+        if self.rpc_broadcast_mq is not None:
+            self.rpc_broadcast_mq.close()
 
 # %% ../../../nbs/45c_multiproc_executor.ipynb #15e7aee9
 class MultiprocExecutor(Executor):
     """Executor with `world_size` worker processes, RPCs over shared-memory `MessageQueue`s. Raises NotImplementedError
     for tensor_parallel_size × pipeline_parallel_size > 1, RuntimeError (naming the worker) if a worker fails to start.
     Source: vLLM v1/executor/multiproc_executor.py `MultiprocExecutor`."""
+
     supports_pp: bool = True
 
     def _init_executor(self) -> None:
         self.is_failed, self.failure_message = False, ""
         self.failure_callback: Callable[[], None] | None = None
         self._pending: Future | None = None
-        self._stale_replies = [0] * self.parallel_config.world_size   # per rank: replies owed to timed-out calls
+        self._stale_replies = [
+            0
+        ] * self.parallel_config.world_size  # per rank: replies owed to timed-out calls
         self._resources = res = _ExecutorResources()
         self._finalizer = weakref.finalize(self, res)
         self.shutdown_event = res.shutdown_event
@@ -277,23 +382,36 @@ class MultiprocExecutor(Executor):
             raise NotImplementedError(
                 f"MultiprocExecutor: tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
                 f"{pc.pipeline_parallel_size} needs collective communication between workers, which minivllm does not "
-                "have yet; use tensor_parallel_size=1 and pipeline_parallel_size=1")
-        if multiprocessing.current_process().daemon: multiprocessing.current_process().daemon = False
+                "have yet; use tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
+        if multiprocessing.current_process().daemon:
+            multiprocessing.current_process().daemon = False
         distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         try:
-            res.rpc_broadcast_mq = self.rpc_broadcast_mq = MessageQueue(self.world_size, max_chunk_bytes=MQ_MAX_CHUNK_BYTES)
+            res.rpc_broadcast_mq = self.rpc_broadcast_mq = MessageQueue(
+                self.world_size, max_chunk_bytes=MQ_MAX_CHUNK_BYTES
+            )
             handle = self.rpc_broadcast_mq.export_handle()
-            for rank in range(self.world_size):   # one node: local_rank == rank
-                res.unready.append(WorkerProc.make_worker_process(self.vllm_config, rank, rank, distributed_init_method, handle))
+            for rank in range(self.world_size):  # one node: local_rank == rank
+                res.unready.append(
+                    WorkerProc.make_worker_process(
+                        self.vllm_config, rank, rank, distributed_init_method, handle
+                    )
+                )
             res.workers = self.workers = WorkerProc.wait_for_ready(res.unready)
-            self.start_worker_monitor()   # from here on, a worker that dies cancels the handshakes below
-            self.rpc_broadcast_mq.wait_until_ready(timeout=WORKER_STARTUP_TIMEOUT_S, cancel=self.shutdown_event)
+            self.start_worker_monitor()  # from here on, a worker that dies cancels the handshakes below
+            self.rpc_broadcast_mq.wait_until_ready(
+                timeout=WORKER_STARTUP_TIMEOUT_S, cancel=self.shutdown_event
+            )
             for w in self.workers:
-                w.worker_response_mq.wait_until_ready(timeout=WORKER_STARTUP_TIMEOUT_S, cancel=self.shutdown_event)
+                w.worker_response_mq.wait_until_ready(
+                    timeout=WORKER_STARTUP_TIMEOUT_S, cancel=self.shutdown_event
+                )
         except BaseException as e:
             failure = self.failure_message
             self.shutdown()
-            if failure: raise RuntimeError(failure) from e
+            if failure:
+                raise RuntimeError(failure) from e
             raise
         self.response_mqs = [w.worker_response_mq for w in self.workers]
         res.io_thread_pool = self.io_thread_pool = ThreadPoolExecutor(1, thread_name_prefix="mp_exec_io")
@@ -312,37 +430,56 @@ class MultiprocExecutor(Executor):
 def _start_worker_monitor(self: MultiprocExecutor) -> None:
     "Watch the worker processes; on an unexpected death mark the executor failed and call the failure callback."
     workers, res, self_ref = list(self.workers), self._resources, weakref.ref(self)
+
     def monitor() -> None:
         died = wait_for_objects([w.proc.sentinel for w in workers])
         executor = self_ref()
-        if executor is None or res.shutting_down: return
+        if executor is None or res.shutting_down:
+            return
         dead = next(w for w in workers if w.proc.sentinel in died)
-        dead.proc.join(timeout=1)   # the sentinel fires a moment before the exit code is reaped
-        executor.failure_message = (f"Worker {dead.proc.name} (rank {dead.rank}, pid {dead.proc.pid}) died unexpectedly "
-                                    f"({_exit_description(dead.proc)}); the executor cannot continue")
+        dead.proc.join(timeout=1)  # the sentinel fires a moment before the exit code is reaped
+        executor.failure_message = (
+            f"Worker {dead.proc.name} (rank {dead.rank}, pid {dead.proc.pid}) died unexpectedly "
+            f"({_exit_description(dead.proc)}); the executor cannot continue"
+        )
         executor.is_failed = True
         logger.error(executor.failure_message)
         res.shutdown_event.set()
         callback, executor.failure_callback = executor.failure_callback, None
-        if callback is not None: callback()
+        if callback is not None:
+            callback()
+
     threading.Thread(target=monitor, daemon=True, name="MultiprocWorkerMonitor").start()
+
 
 def _register_failure_callback(self: MultiprocExecutor, callback: Callable[[], None]) -> None:
     "Call `callback` (once, from the monitor thread) when a worker dies; at once if one already has."
-    if self.is_failed: callback()
-    else: self.failure_callback = callback
+    if self.is_failed:
+        callback()
+    else:
+        self.failure_callback = callback
+
 
 MultiprocExecutor.start_worker_monitor = _start_worker_monitor
 MultiprocExecutor.register_failure_callback = _register_failure_callback
 
 # %% ../../../nbs/45c_multiproc_executor.ipynb #2e195b46
-def _collective_rpc(self: MultiprocExecutor, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                    kwargs: dict | None = None, non_block: bool = False, unique_reply_rank: int | None = None) -> Any:
+def _collective_rpc(
+    self: MultiprocExecutor,
+    method: str | Callable,
+    timeout: float | None = None,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    non_block: bool = False,
+    unique_reply_rank: int | None = None,
+) -> Any:
     """Run `method` on every worker. Returns the list of results (or only `unique_reply_rank`'s result), or a Future of
     it when `non_block`. Re-raises a worker's exception; RuntimeError if a worker died or the executor was shut down,
     TimeoutError after `timeout` s. Source: vLLM `MultiprocExecutor.collective_rpc`."""
-    if self.is_failed: raise RuntimeError(self.failure_message)
-    if self._resources.shutting_down: raise RuntimeError("MultiprocExecutor has been shut down")
+    if self.is_failed:
+        raise RuntimeError(self.failure_message)
+    if self._resources.shutting_down:
+        raise RuntimeError("MultiprocExecutor has been shut down")
     deadline = None if timeout is None else time.monotonic() + timeout
     name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
     send_method = method if isinstance(method, str) else _dumps_callable(method)
@@ -354,18 +491,24 @@ def _collective_rpc(self: MultiprocExecutor, method: str | Callable, timeout: fl
         for i, rank in enumerate(ranks):
             mq = self.response_mqs[rank]
             try:
-                while self._stale_replies[rank]:   # late replies of calls that timed out come first: drop them
-                    mq.dequeue(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()), cancel=self.shutdown_event)
+                while self._stale_replies[rank]:  # late replies of calls that timed out come first: drop them
+                    mq.dequeue(
+                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                        cancel=self.shutdown_event,
+                    )
                     self._stale_replies[rank] -= 1
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 status, result = mq.dequeue(timeout=remaining, cancel=self.shutdown_event)
             except TimeoutError as e:
-                for r in list(ranks)[i:]: self._stale_replies[r] += 1
+                for r in list(ranks)[i:]:
+                    self._stale_replies[r] += 1
                 raise TimeoutError(f"RPC call to {name} timed out after {timeout} s") from e
             except RuntimeError:
-                if self.is_failed: raise RuntimeError(self.failure_message) from None
+                if self.is_failed:
+                    raise RuntimeError(self.failure_message) from None
                 raise RuntimeError(f"RPC call to {name} cancelled: the executor is shutting down") from None
-            if status != ResponseStatus.SUCCESS: raise result
+            if status != ResponseStatus.SUCCESS:
+                raise result
             results.append(result)
         return results[0] if unique_reply_rank is not None else results
 
@@ -374,29 +517,50 @@ def _collective_rpc(self: MultiprocExecutor, method: str | Callable, timeout: fl
         return fut if non_block else fut.result()
     return get_response()
 
+
 MultiprocExecutor.collective_rpc = _collective_rpc
 
 # %% ../../../nbs/45c_multiproc_executor.ipynb #9ad3d76d
-def _execute_model(self: MultiprocExecutor, scheduler_output: SchedulerOutput,
-                   non_block: bool = False) -> ModelRunnerOutput | None | Future:
-    return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
-                               non_block=non_block, timeout=EXECUTE_MODEL_TIMEOUT_S)
+def _execute_model(
+    self: MultiprocExecutor, scheduler_output: SchedulerOutput, non_block: bool = False
+) -> ModelRunnerOutput | None | Future:
+    return self.collective_rpc(
+        "execute_model",
+        args=(scheduler_output,),
+        unique_reply_rank=self.output_rank,
+        non_block=non_block,
+        timeout=EXECUTE_MODEL_TIMEOUT_S,
+    )
 
-def _sample_tokens(self: MultiprocExecutor, grammar_output: Any, non_block: bool = False) -> ModelRunnerOutput | Future:
-    return self.collective_rpc("sample_tokens", args=(grammar_output,), unique_reply_rank=self.output_rank,
-                               non_block=non_block, timeout=EXECUTE_MODEL_TIMEOUT_S)
+
+def _sample_tokens(
+    self: MultiprocExecutor, grammar_output: Any, non_block: bool = False
+) -> ModelRunnerOutput | Future:
+    return self.collective_rpc(
+        "sample_tokens",
+        args=(grammar_output,),
+        unique_reply_rank=self.output_rank,
+        non_block=non_block,
+        timeout=EXECUTE_MODEL_TIMEOUT_S,
+    )
+
 
 def _check_health(self: MultiprocExecutor) -> None:
     "Raise RuntimeError (naming the worker) if a worker process is dead or does not answer within 10 s."
-    if self.is_failed: raise RuntimeError(self.failure_message)
+    if self.is_failed:
+        raise RuntimeError(self.failure_message)
     for w in self.workers:
-        if not w.proc.is_alive(): raise RuntimeError(f"Worker {w.proc.name} (rank {w.rank}) is dead ({_exit_description(w.proc)})")
+        if not w.proc.is_alive():
+            raise RuntimeError(f"Worker {w.proc.name} (rank {w.rank}) is dead ({_exit_description(w.proc)})")
     self.collective_rpc("check_health", timeout=10)
+
 
 def _shutdown(self: MultiprocExecutor) -> None:
     "Stop the workers and release the shared memory (idempotent)."
-    if getattr(self, "_finalizer", None) is not None: self._finalizer()
+    if getattr(self, "_finalizer", None) is not None:
+        self._finalizer()
+
 
 MultiprocExecutor.execute_model, MultiprocExecutor.sample_tokens = _execute_model, _sample_tokens
 MultiprocExecutor.check_health, MultiprocExecutor.shutdown = _check_health, _shutdown
-abc.update_abstractmethods(MultiprocExecutor)   # the abstract methods were filled in after the class statement
+abc.update_abstractmethods(MultiprocExecutor)  # the abstract methods were filled in after the class statement

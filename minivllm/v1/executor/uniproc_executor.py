@@ -20,18 +20,29 @@ class UniProcExecutor(Executor):
     Future of it when non_block. Source: vLLM v1/executor/uniproc_executor.py `UniProcExecutor`."""
 
     def _init_executor(self) -> None:
-        self.driver_worker: Worker | None = Worker(self.vllm_config, local_rank=0, rank=0,
-                                                   distributed_init_method=None, is_driver_worker=True)
+        self.driver_worker: Worker | None = Worker(
+            self.vllm_config, local_rank=0, rank=0, distributed_init_method=None, is_driver_worker=True
+        )
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None, non_block: bool = False) -> list | Future:
-        if self.driver_worker is None: raise RuntimeError("UniProcExecutor has been shut down")
-        if not non_block: return [run_method(self.driver_worker, method, args, kwargs or {})]
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+    ) -> list | Future:
+        if self.driver_worker is None:
+            raise RuntimeError("UniProcExecutor has been shut down")
+        if not non_block:
+            return [run_method(self.driver_worker, method, args, kwargs or {})]
         fut: Future = Future()
-        try: fut.set_result([run_method(self.driver_worker, method, args, kwargs or {})])
-        except Exception as e: fut.set_exception(e)
+        try:
+            fut.set_result([run_method(self.driver_worker, method, args, kwargs or {})])
+        except Exception as e:
+            fut.set_exception(e)
         return fut
 
     def check_health(self) -> None:

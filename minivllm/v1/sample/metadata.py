@@ -15,6 +15,7 @@ __all__ = ['SamplingMetadata']
 # %% ../../../nbs/39_sampling_metadata.ipynb #a85614bc
 _SAMPLING_EPS = 1e-5
 
+
 @dataclass
 class SamplingMetadata:
     """Batched sampling settings of one step; row i = request i of the batch.
@@ -27,6 +28,7 @@ class SamplingMetadata:
     float32; skipped when no_penalties. min_tokens: row -> (min_tokens, stop ids) masked until reached.
     logit_bias: row -> {token id: bias} added to the logits (only rows whose request set `logit_bias`).
     Source: vLLM v1/sample/metadata.py `SamplingMetadata`."""
+
     temperature: torch.Tensor | None
     all_greedy: bool
     all_random: bool
@@ -45,40 +47,70 @@ class SamplingMetadata:
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
 
     @classmethod
-    def from_params(cls, params: list, vocab_size: int, device: torch.device | str = "cpu",
-                    generators: dict[int, torch.Generator] | None = None,
-                    prompt_token_ids: list[list[int]] | None = None,
-                    output_token_ids: list[list[int]] | None = None) -> "SamplingMetadata":
+    def from_params(
+        cls,
+        params: list,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        generators: dict[int, torch.Generator] | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        output_token_ids: list[list[int]] | None = None,
+    ) -> "SamplingMetadata":
         """Build from a list of `SamplingParams` (tests, examples). `generators` defaults to one seeded
         generator per row whose params have a seed and temperature > 0."""
         n = len(params)
         temps = [p.temperature for p in params]
         greedy = [t < _SAMPLING_EPS for t in temps]
         if generators is None:
-            generators = {i: torch.Generator(device).manual_seed(p.seed) for i, p in enumerate(params)
-                          if p.seed is not None and not greedy[i]}
+            generators = {
+                i: torch.Generator(device).manual_seed(p.seed)
+                for i, p in enumerate(params)
+                if p.seed is not None and not greedy[i]
+            }
         f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)
         top_p = f32([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
-        top_k = (torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
-                 if any(0 < p.top_k < vocab_size for p in params) else None)
+        top_k = (
+            torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+            if any(0 < p.top_k < vocab_size for p in params)
+            else None
+        )
         min_p = f32([p.min_p for p in params]) if any(p.min_p > _SAMPLING_EPS for p in params) else None
         lps = [p.logprobs for p in params if p.logprobs is not None]
-        no_pen = all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0 for p in params)
+        no_pen = all(
+            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
+            for p in params
+        )
         outs = output_token_ids if output_token_ids is not None else [[] for _ in params]
         prompt_t = None
         if not no_pen:
             prompts = prompt_token_ids or [[] for _ in params]
             width = max(1, max(len(x) for x in prompts))
             prompt_t = torch.full((n, width), vocab_size, dtype=torch.int64)
-            for i, x in enumerate(prompts): prompt_t[i, :len(x)] = torch.tensor(x, dtype=torch.int64)
+            for i, x in enumerate(prompts):
+                prompt_t[i, : len(x)] = torch.tensor(x, dtype=torch.int64)
             prompt_t = prompt_t.to(device)
-        min_toks = {i: (p.min_tokens, p.all_stop_token_ids) for i, p in enumerate(params)
-                    if p.min_tokens > len(outs[i]) and p.all_stop_token_ids}
-        return cls(temperature=None if all(greedy) else f32(temps), all_greedy=all(greedy), all_random=not any(greedy),
-                   top_p=top_p, top_k=top_k, min_p=min_p, generators=generators,
-                   max_num_logprobs=max(lps) if lps else None, no_penalties=no_pen, prompt_token_ids=prompt_t,
-                   frequency_penalties=f32([p.frequency_penalty for p in params]),
-                   presence_penalties=f32([p.presence_penalty for p in params]),
-                   repetition_penalties=f32([p.repetition_penalty for p in params]),
-                   output_token_ids=outs, min_tokens=min_toks,
-                   logit_bias={i: dict(p.logit_bias) for i, p in enumerate(params) if getattr(p, "logit_bias", None)})
+        min_toks = {
+            i: (p.min_tokens, p.all_stop_token_ids)
+            for i, p in enumerate(params)
+            if p.min_tokens > len(outs[i]) and p.all_stop_token_ids
+        }
+        return cls(
+            temperature=None if all(greedy) else f32(temps),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            generators=generators,
+            max_num_logprobs=max(lps) if lps else None,
+            no_penalties=no_pen,
+            prompt_token_ids=prompt_t,
+            frequency_penalties=f32([p.frequency_penalty for p in params]),
+            presence_penalties=f32([p.presence_penalty for p in params]),
+            repetition_penalties=f32([p.repetition_penalty for p in params]),
+            output_token_ids=outs,
+            min_tokens=min_toks,
+            logit_bias={
+                i: dict(p.logit_bias) for i, p in enumerate(params) if getattr(p, "logit_bias", None)
+            },
+        )

@@ -22,16 +22,24 @@ def _bin_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     counts.scatter_add_(1, tokens, torch.ones_like(tokens))
     return counts[:, :vocab_size]
 
+
 def _pad_lists(lists: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max((len(x) for x in lists), default=0))
     out = torch.full((len(lists), width), pad, dtype=torch.int64)
     for i, x in enumerate(lists):
-        if x: out[i, :len(x)] = torch.as_tensor(x, dtype=torch.int64)
+        if x:
+            out[i, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
     return out.to(device)
 
-def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: list[list[int]],
-                    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor,
-                    repetition_penalties: torch.Tensor) -> torch.Tensor:
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
     """Apply repetition (prompt and output tokens), frequency and presence (output tokens) penalties.
 
     logits: (num_reqs, vocab) float32; prompt_token_ids (num_reqs, L) int64 padded with vocab; penalties
@@ -46,24 +54,31 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     logits -= presence_penalties.unsqueeze(1) * out_mask
     return logits
 
+
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
     """Add each row's `{token id: bias}` to its logits (in place). logits (num_reqs, vocab) float32; ids were
     checked to be in the vocabulary by the InputProcessor. Source: vLLM v1/sample/logits_processor `LogitBiasLogitsProcessor`."""
     rows, cols, vals = [], [], []
     for i, bias in logit_bias.items():
-        rows += [i] * len(bias); cols += list(bias); vals += list(bias.values())
+        rows += [i] * len(bias)
+        cols += list(bias)
+        vals += list(bias.values())
     if rows:
         logits[rows, cols] += torch.tensor(vals, dtype=logits.dtype, device=logits.device)
     return logits
 
-def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]],
-                     output_token_ids: list[list[int]]) -> torch.Tensor:
+
+def apply_min_tokens(
+    logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]], output_token_ids: list[list[int]]
+) -> torch.Tensor:
     "Forbid (-inf) the stop tokens of rows that have produced fewer than their `min_tokens` outputs."
     rows, cols = [], []
     for i, (n, stop_ids) in min_tokens.items():
         if len(output_token_ids[i]) < n:
-            rows += [i] * len(stop_ids); cols += list(stop_ids)
-    if rows: logits[rows, cols] = float("-inf")
+            rows += [i] * len(stop_ids)
+            cols += list(stop_ids)
+    if rows:
+        logits[rows, cols] = float("-inf")
     return logits
 
 # %% ../../../nbs/40_sampler.ipynb #c19613fa
@@ -73,6 +88,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
+
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
     """Keep each row's k largest logits and its smallest nucleus of mass >= p; the rest become -inf.
 
@@ -80,7 +96,8 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     Source: vLLM v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p`."""
     vocab = logits.shape[1]
     if p is None:
-        if k is None: return logits
+        if k is None:
+            return logits
         kk = k.clamp(1, vocab)
         kth = logits.topk(int(kk.max()), dim=-1).values.gather(1, (kk - 1).unsqueeze(1))
         kth.masked_fill_((k >= vocab).unsqueeze(1), float("-inf"))  # rows without top-k keep all
@@ -100,9 +117,12 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     """Draw one token per row of `probs` (n, vocab) via argmax(probs / Exp(1)); rows in `generators` use
     their own generator. Returns (n,) int64. Source: vLLM v1/sample/ops/topk_topp_sampler.py `random_sample`."""
     q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]: q.exponential_()
-    for i, g in generators.items(): q[i].exponential_(generator=g)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for i, g in generators.items():
+        q[i].exponential_(generator=g)
     return probs.div_(q).argmax(dim=-1)
+
 
 class Sampler(nn.Module):
     """Sample one token per row: min_tokens/logit_bias/penalties → greedy argmax | temperature → min_p → top-k/top-p →
@@ -113,26 +133,43 @@ class Sampler(nn.Module):
         md = sampling_metadata
         raw_logprobs = None if md.max_num_logprobs is None else self.compute_logprobs(logits)
         logits = logits.to(torch.float32)
-        if md.min_tokens: logits = apply_min_tokens(logits, md.min_tokens, md.output_token_ids)
+        if md.min_tokens:
+            logits = apply_min_tokens(logits, md.min_tokens, md.output_token_ids)
         # like min_tokens, a bias can change the argmax, so it acts before penalties and the greedy branch
-        if md.logit_bias: logits = apply_logit_bias(logits, md.logit_bias)
+        if md.logit_bias:
+            logits = apply_logit_bias(logits, md.logit_bias)
         if not md.no_penalties:
-            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids, md.presence_penalties,
-                                     md.frequency_penalties, md.repetition_penalties)
+            logits = apply_penalties(
+                logits,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.presence_penalties,
+                md.frequency_penalties,
+                md.repetition_penalties,
+            )
         sampled = self.sample(logits, md)
-        lp = None if raw_logprobs is None else self.gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        lp = (
+            None if raw_logprobs is None else self.gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        )
         return SamplerOutput(sampled_token_ids=sampled.unsqueeze(-1), logprobs_tensors=lp)
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         "(num_reqs, vocab) float32 -> (num_reqs,) int64 token ids."
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        if md.all_greedy: return greedy
-        temp = md.temperature if md.all_random else torch.where(md.temperature < _SAMPLING_EPS, 1.0, md.temperature)
+        if md.all_greedy:
+            return greedy
+        temp = (
+            md.temperature
+            if md.all_random
+            else torch.where(md.temperature < _SAMPLING_EPS, 1.0, md.temperature)
+        )
         logits = logits.div_(temp.unsqueeze(1))
-        if md.min_p is not None: logits = apply_min_p(logits, md.min_p)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         random = random_sample(logits.softmax(dim=-1, dtype=torch.float32), md.generators)
-        if greedy is None: return random
+        if greedy is None:
+            return random
         return torch.where(md.temperature < _SAMPLING_EPS, greedy, random)
 
     @staticmethod
@@ -140,7 +177,9 @@ class Sampler(nn.Module):
         return logits.log_softmax(dim=-1, dtype=torch.float32)
 
     @staticmethod
-    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    def gather_logprobs(
+        logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+    ) -> LogprobsTensors:
         """[sampled, top-1..top-num_logprobs] ids and logprobs, and the sampled token's rank (1 = best).
         Source: vLLM v1/sample/sampler.py `gather_logprobs`."""
         top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)

@@ -14,9 +14,13 @@ from ..utils import CpuGpuBuffer
 __all__ = ['cdiv', 'map_to_kernel_blocks', 'BlockTable', 'MultiGroupBlockTable']
 
 # %% ../../../nbs/41_block_table.ipynb #ce002ada
-def cdiv(a: int, b: int) -> int: return -(-a // b)
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
-def map_to_kernel_blocks(block_ids: np.ndarray, blocks_per_kv_block: int, kernel_block_arange: np.ndarray) -> np.ndarray:
+
+def map_to_kernel_blocks(
+    block_ids: np.ndarray, blocks_per_kv_block: int, kernel_block_arange: np.ndarray
+) -> np.ndarray:
     """Split allocation blocks into kernel blocks: id b -> b*k + [0..k). (n,) -> (n*k,).
     Source: vLLM v1/worker/block_table.py `map_to_kernel_blocks`."""
     return (block_ids.reshape(-1, 1) * blocks_per_kv_block + kernel_block_arange).reshape(-1)
@@ -31,33 +35,49 @@ class BlockTable:
     Raises ValueError if kernel_block_size does not divide block_size or a row overflows.
     Source: vLLM v1/worker/block_table.py `BlockTable`."""
 
-    def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
-                 max_num_batched_tokens: int, pin_memory: bool | None, device: torch.device | str,
-                 kernel_block_size: int | None = None):
+    def __init__(
+        self,
+        block_size: int,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        max_num_batched_tokens: int,
+        pin_memory: bool | None,
+        device: torch.device | str,
+        kernel_block_size: int | None = None,
+    ):
         kernel_block_size = kernel_block_size or block_size
         if block_size % kernel_block_size:
-            raise ValueError(f"kernel_block_size {kernel_block_size} must divide the KV cache block_size {block_size}")
+            raise ValueError(
+                f"kernel_block_size {kernel_block_size} must divide the KV cache block_size {block_size}"
+            )
         self.blocks_per_kv_block = block_size // kernel_block_size
         self.use_hybrid_blocks = self.blocks_per_kv_block > 1
         self.block_size = kernel_block_size
         self.max_num_reqs, self.max_num_batched_tokens = max_num_reqs, max_num_batched_tokens
         self.max_num_blocks_per_req = max_num_blocks_per_req * self.blocks_per_kv_block
         self.device = torch.device(device)
-        self.block_table = CpuGpuBuffer(max_num_reqs, self.max_num_blocks_per_req, dtype=torch.int32,
-                                        device=device, pin_memory=pin_memory)
+        self.block_table = CpuGpuBuffer(
+            max_num_reqs, self.max_num_blocks_per_req, dtype=torch.int32, device=device, pin_memory=pin_memory
+        )
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self.slot_mapping = CpuGpuBuffer(max_num_batched_tokens, dtype=torch.int64, device=device, pin_memory=pin_memory)
+        self.slot_mapping = CpuGpuBuffer(
+            max_num_batched_tokens, dtype=torch.int64, device=device, pin_memory=pin_memory
+        )
         self._kernel_block_arange = np.arange(self.blocks_per_kv_block).reshape(1, -1)
 
     def append_row(self, block_ids: list[int], row_idx: int) -> None:
         "Append allocation block ids (mapped to kernel blocks) to the end of row `row_idx`."
-        if not len(block_ids): return
+        if not len(block_ids):
+            return
         ids = np.asarray(block_ids, dtype=np.int32)
-        if self.use_hybrid_blocks: ids = map_to_kernel_blocks(ids, self.blocks_per_kv_block, self._kernel_block_arange)
+        if self.use_hybrid_blocks:
+            ids = map_to_kernel_blocks(ids, self.blocks_per_kv_block, self._kernel_block_arange)
         start = int(self.num_blocks_per_row[row_idx])
         end = start + len(ids)
         if end > self.max_num_blocks_per_req:
-            raise ValueError(f"row {row_idx} would hold {end} blocks; max_num_blocks_per_req is {self.max_num_blocks_per_req}")
+            raise ValueError(
+                f"row {row_idx} would hold {end} blocks; max_num_blocks_per_req is {self.max_num_blocks_per_req}"
+            )
         self.block_table.np[row_idx, start:end] = ids
         self.num_blocks_per_row[row_idx] = end
 
@@ -66,7 +86,8 @@ class BlockTable:
         self.num_blocks_per_row[row_idx] = 0
         self.append_row(block_ids, row_idx)
 
-    def clear_row(self, row_idx: int) -> None: self.num_blocks_per_row[row_idx] = 0
+    def clear_row(self, row_idx: int) -> None:
+        self.num_blocks_per_row[row_idx] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
         "Copy row `src` onto row `tgt` (condense fills a hole from the tail)."
@@ -88,17 +109,26 @@ class BlockTable:
         np.add(block_numbers.astype(np.int64) * self.block_size, positions % self.block_size, out=out)
         return out
 
-    def commit_block_table(self, num_reqs: int) -> None: self.block_table.copy_to_gpu(num_reqs)
-    def commit_slot_mapping(self, num_tokens: int) -> None: self.slot_mapping.copy_to_gpu(num_tokens)
+    def commit_block_table(self, num_reqs: int) -> None:
+        self.block_table.copy_to_gpu(num_reqs)
+
+    def commit_slot_mapping(self, num_tokens: int) -> None:
+        self.slot_mapping.copy_to_gpu(num_tokens)
 
     def clear(self) -> None:
-        self.block_table.gpu.fill_(0); self.block_table.cpu.fill_(0); self.num_blocks_per_row[:] = 0
+        self.block_table.gpu.fill_(0)
+        self.block_table.cpu.fill_(0)
+        self.num_blocks_per_row[:] = 0
 
     def get_device_tensor(self, num_reqs: int | None = None) -> torch.Tensor:
         "(num_reqs, max_num_blocks_per_req) int32 on the device (after commit_block_table)."
         return self.block_table.gpu if num_reqs is None else self.block_table.gpu[:num_reqs]
-    def get_cpu_tensor(self) -> torch.Tensor: return self.block_table.cpu
-    def get_numpy_array(self) -> np.ndarray: return self.block_table.np
+
+    def get_cpu_tensor(self) -> torch.Tensor:
+        return self.block_table.cpu
+
+    def get_numpy_array(self) -> np.ndarray:
+        return self.block_table.np
 
 # %% ../../../nbs/41_block_table.ipynb #e78ea13b
 class MultiGroupBlockTable:
@@ -108,31 +138,66 @@ class MultiGroupBlockTable:
     to the same). Each table holds cdiv(max_model_len, block_size) blocks per request.
     Source: vLLM v1/worker/block_table.py `MultiGroupBlockTable`."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int, pin_memory: bool | None,
-                 device: torch.device | str, block_sizes: list[int], kernel_block_sizes: list[int] | None = None):
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        pin_memory: bool | None,
+        device: torch.device | str,
+        block_sizes: list[int],
+        kernel_block_sizes: list[int] | None = None,
+    ):
         kernel_block_sizes = kernel_block_sizes or block_sizes
         if len(kernel_block_sizes) != len(block_sizes):
-            raise ValueError(f"kernel_block_sizes has {len(kernel_block_sizes)} entries for {len(block_sizes)} groups")
-        self.block_tables = [BlockTable(bs, max_num_reqs, cdiv(max_model_len, bs), max_num_batched_tokens,
-                                        pin_memory, device, kbs) for bs, kbs in zip(block_sizes, kernel_block_sizes)]
+            raise ValueError(
+                f"kernel_block_sizes has {len(kernel_block_sizes)} entries for {len(block_sizes)} groups"
+            )
+        self.block_tables = [
+            BlockTable(
+                bs, max_num_reqs, cdiv(max_model_len, bs), max_num_batched_tokens, pin_memory, device, kbs
+            )
+            for bs, kbs in zip(block_sizes, kernel_block_sizes)
+        ]
 
     def append_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
-        for bt, ids in zip(self.block_tables, block_ids): bt.append_row(ids, row_idx)
+        for bt, ids in zip(self.block_tables, block_ids):
+            bt.append_row(ids, row_idx)
+
     def add_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
-        for bt, ids in zip(self.block_tables, block_ids): bt.add_row(ids, row_idx)
+        for bt, ids in zip(self.block_tables, block_ids):
+            bt.add_row(ids, row_idx)
+
     def clear_row(self, row_idx: int) -> None:
-        for bt in self.block_tables: bt.clear_row(row_idx)
+        for bt in self.block_tables:
+            bt.clear_row(row_idx)
+
     def move_row(self, src: int, tgt: int) -> None:
-        for bt in self.block_tables: bt.move_row(src, tgt)
+        for bt in self.block_tables:
+            bt.move_row(src, tgt)
+
     def swap_row(self, src: int, tgt: int) -> None:
-        for bt in self.block_tables: bt.swap_row(src, tgt)
+        for bt in self.block_tables:
+            bt.swap_row(src, tgt)
+
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> None:
-        for bt in self.block_tables: bt.compute_slot_mapping(req_indices, positions)
+        for bt in self.block_tables:
+            bt.compute_slot_mapping(req_indices, positions)
+
     def commit_block_table(self, num_reqs: int) -> None:
-        for bt in self.block_tables: bt.commit_block_table(num_reqs)
+        for bt in self.block_tables:
+            bt.commit_block_table(num_reqs)
+
     def commit_slot_mapping(self, num_tokens: int) -> None:
-        for bt in self.block_tables: bt.commit_slot_mapping(num_tokens)
+        for bt in self.block_tables:
+            bt.commit_slot_mapping(num_tokens)
+
     def clear(self) -> None:
-        for bt in self.block_tables: bt.clear()
-    def __getitem__(self, idx: int) -> BlockTable: return self.block_tables[idx]
-    def __len__(self) -> int: return len(self.block_tables)
+        for bt in self.block_tables:
+            bt.clear()
+
+    def __getitem__(self, idx: int) -> BlockTable:
+        return self.block_tables[idx]
+
+    def __len__(self) -> int:
+        return len(self.block_tables)

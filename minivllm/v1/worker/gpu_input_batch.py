@@ -28,6 +28,7 @@ class CachedRequestState:
     block_ids: one list per KV cache group; num_computed_tokens: tokens whose KV is in the cache;
     generator: the request's own torch.Generator when it has a seed (random sampling).
     Source: vLLM v1/worker/gpu_input_batch.py `CachedRequestState`."""
+
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams | None
@@ -40,9 +41,12 @@ class CachedRequestState:
     lora_request: Any = None
 
     @property
-    def num_prompt_tokens(self) -> int: return len(self.prompt_token_ids)
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
     @property
-    def num_tokens(self) -> int: return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def get_token_id(self, idx: int) -> int:
         n = len(self.prompt_token_ids)
@@ -58,9 +62,17 @@ class InputBatch:
     add_request raises ValueError when the batch is full or a request exceeds max_model_len.
     Source: vLLM v1/worker/gpu_input_batch.py `InputBatch`."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device | str, pin_memory: bool | None, vocab_size: int, block_sizes: list[int],
-                 kernel_block_sizes: list[int] | None = None):
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        device: torch.device | str,
+        pin_memory: bool | None,
+        vocab_size: int,
+        block_sizes: list[int],
+        kernel_block_sizes: list[int] | None = None,
+    ):
         self.max_num_reqs, self.max_model_len, self.vocab_size = max_num_reqs, max_model_len, vocab_size
         self.device = torch.device(device)
         self._req_ids: list[str | None] = []
@@ -73,18 +85,37 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu_tensor = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.num_computed_tokens_cpu = self.num_computed_tokens_cpu_tensor.numpy()
-        self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens, pin_memory,
-                                                device, block_sizes, kernel_block_sizes)
+        self.block_table = MultiGroupBlockTable(
+            max_num_reqs,
+            max_model_len,
+            max_num_batched_tokens,
+            pin_memory,
+            device,
+            block_sizes,
+            kernel_block_sizes,
+        )
         buf = lambda dt: CpuGpuBuffer(max_num_reqs, dtype=dt, device=device, pin_memory=pin_memory)
         self.temperature, self.top_p, self.min_p = buf(torch.float32), buf(torch.float32), buf(torch.float32)
         self.top_k = buf(torch.int64)
         self.frequency_penalties, self.presence_penalties = buf(torch.float32), buf(torch.float32)
         self.repetition_penalties = buf(torch.float32)
-        self._per_row = [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu, self.temperature.np,
-                         self.top_p.np, self.top_k.np, self.min_p.np, self.frequency_penalties.np,
-                         self.presence_penalties.np, self.repetition_penalties.np]
-        self.greedy_reqs: set[str] = set(); self.random_reqs: set[str] = set()
-        self.top_p_reqs: set[str] = set(); self.top_k_reqs: set[str] = set(); self.min_p_reqs: set[str] = set()
+        self._per_row = [
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens_cpu,
+            self.temperature.np,
+            self.top_p.np,
+            self.top_k.np,
+            self.min_p.np,
+            self.frequency_penalties.np,
+            self.presence_penalties.np,
+            self.repetition_penalties.np,
+        ]
+        self.greedy_reqs: set[str] = set()
+        self.random_reqs: set[str] = set()
+        self.top_p_reqs: set[str] = set()
+        self.top_k_reqs: set[str] = set()
+        self.min_p_reqs: set[str] = set()
         self.penalty_reqs: set[str] = set()
         self.generators: dict[int, torch.Generator] = {}
         self.min_tokens: dict[int, tuple[int, set[int]]] = {}
@@ -94,78 +125,121 @@ class InputBatch:
         self.sampling_metadata = self._make_sampling_metadata()
 
     @property
-    def num_reqs(self) -> int: return len(self.req_id_to_index)
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
     @property
     def req_ids(self) -> list[str]:
         "Live request ids in row order (call after condense())."
-        return self._req_ids[:self.num_reqs]  # type: ignore[return-value]
+        return self._req_ids[: self.num_reqs]  # type: ignore[return-value]
+
     @property
-    def all_greedy(self) -> bool: return not self.random_reqs
+    def all_greedy(self) -> bool:
+        return not self.random_reqs
+
     @property
-    def all_random(self) -> bool: return not self.greedy_reqs
+    def all_random(self) -> bool:
+        return not self.greedy_reqs
+
     @property
-    def max_num_logprobs(self) -> int | None: return max(self.num_logprobs.values()) if self.num_logprobs else None
+    def max_num_logprobs(self) -> int | None:
+        return max(self.num_logprobs.values()) if self.num_logprobs else None
 
 # %% ../../../nbs/42_input_batch.ipynb #b9d717a1
 def _add_request(self: InputBatch, request: CachedRequestState) -> int:
     "Write `request` into the smallest free row; returns the row index."
     req_id = request.req_id
-    if req_id in self.req_id_to_index: raise ValueError(f"request {req_id} is already in the batch")
+    if req_id in self.req_id_to_index:
+        raise ValueError(f"request {req_id} is already in the batch")
     idx = heapq.heappop(self._empty_indices) if self._empty_indices else len(self._req_ids)
-    if idx >= self.max_num_reqs: raise ValueError(f"InputBatch is full (max_num_reqs={self.max_num_reqs})")
+    if idx >= self.max_num_reqs:
+        raise ValueError(f"InputBatch is full (max_num_reqs={self.max_num_reqs})")
     n_prompt, n_out = len(request.prompt_token_ids), len(request.output_token_ids)
     if n_prompt + n_out > self.max_model_len:
-        raise ValueError(f"request {req_id} has {n_prompt + n_out} tokens; max_model_len is {self.max_model_len}")
-    if idx == len(self._req_ids): self._req_ids.append(None); self.req_output_token_ids.append(None)
+        raise ValueError(
+            f"request {req_id} has {n_prompt + n_out} tokens; max_model_len is {self.max_model_len}"
+        )
+    if idx == len(self._req_ids):
+        self._req_ids.append(None)
+        self.req_output_token_ids.append(None)
     self._req_ids[idx] = req_id
     self.req_output_token_ids[idx] = request.output_token_ids
     self.req_id_to_index[req_id] = idx
     self.token_ids_cpu[idx, :n_prompt] = request.prompt_token_ids
-    self.token_ids_cpu[idx, n_prompt:n_prompt + n_out] = request.output_token_ids
+    self.token_ids_cpu[idx, n_prompt : n_prompt + n_out] = request.output_token_ids
     self.num_prompt_tokens[idx], self.num_tokens[idx] = n_prompt, n_prompt + n_out
     self.num_computed_tokens_cpu[idx] = request.num_computed_tokens
     self.block_table.add_row(request.block_ids, idx)
     sp = request.sampling_params
-    if sp is not None: self._add_sampling_params(idx, req_id, sp, request.generator)
+    if sp is not None:
+        self._add_sampling_params(idx, req_id, sp, request.generator)
     return idx
+
 
 def _add_sampling_params(self: InputBatch, idx: int, req_id: str, sp: SamplingParams, generator) -> None:
     if sp.sampling_type == SamplingType.GREEDY:
-        self.temperature.np[idx] = 0.0; self.greedy_reqs.add(req_id)
+        self.temperature.np[idx] = 0.0
+        self.greedy_reqs.add(req_id)
     else:
-        self.temperature.np[idx] = sp.temperature; self.random_reqs.add(req_id)
+        self.temperature.np[idx] = sp.temperature
+        self.random_reqs.add(req_id)
     self.top_p.np[idx] = sp.top_p
-    if sp.top_p < 1.0: self.top_p_reqs.add(req_id)
+    if sp.top_p < 1.0:
+        self.top_p_reqs.add(req_id)
     top_k = sp.top_k if 0 < sp.top_k < self.vocab_size else self.vocab_size
     self.top_k.np[idx] = top_k
-    if top_k < self.vocab_size: self.top_k_reqs.add(req_id)
+    if top_k < self.vocab_size:
+        self.top_k_reqs.add(req_id)
     self.min_p.np[idx] = sp.min_p
-    if sp.min_p > _SAMPLING_EPS: self.min_p_reqs.add(req_id)
+    if sp.min_p > _SAMPLING_EPS:
+        self.min_p_reqs.add(req_id)
     self.frequency_penalties.np[idx] = sp.frequency_penalty
     self.presence_penalties.np[idx] = sp.presence_penalty
     self.repetition_penalties.np[idx] = sp.repetition_penalty
     if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0 or sp.repetition_penalty != 1.0:
         self.penalty_reqs.add(req_id)
-    if sp.min_tokens > 0 and sp.all_stop_token_ids: self.min_tokens[idx] = (sp.min_tokens, set(sp.all_stop_token_ids))
-    if sp.logit_bias: self.logit_bias[idx] = dict(sp.logit_bias)
-    if generator is not None and sp.sampling_type != SamplingType.GREEDY: self.generators[idx] = generator
-    if sp.logprobs is not None: self.num_logprobs[req_id] = sp.logprobs
-    if sp.prompt_logprobs is not None: self.num_prompt_logprobs[req_id] = sp.prompt_logprobs
+    if sp.min_tokens > 0 and sp.all_stop_token_ids:
+        self.min_tokens[idx] = (sp.min_tokens, set(sp.all_stop_token_ids))
+    if sp.logit_bias:
+        self.logit_bias[idx] = dict(sp.logit_bias)
+    if generator is not None and sp.sampling_type != SamplingType.GREEDY:
+        self.generators[idx] = generator
+    if sp.logprobs is not None:
+        self.num_logprobs[req_id] = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        self.num_prompt_logprobs[req_id] = sp.prompt_logprobs
+
 
 def _remove_request(self: InputBatch, req_id: str) -> int | None:
     "Forget `req_id`'s row (a hole until add_request or condense fills it); returns its index or None."
     idx = self.req_id_to_index.pop(req_id, None)
-    if idx is None: return None
+    if idx is None:
+        return None
     self._req_ids[idx] = None
     self.req_output_token_ids[idx] = None
     heapq.heappush(self._empty_indices, idx)
-    for s in (self.greedy_reqs, self.random_reqs, self.top_p_reqs, self.top_k_reqs, self.min_p_reqs, self.penalty_reqs):
+    for s in (
+        self.greedy_reqs,
+        self.random_reqs,
+        self.top_p_reqs,
+        self.top_k_reqs,
+        self.min_p_reqs,
+        self.penalty_reqs,
+    ):
         s.discard(req_id)
-    self.generators.pop(idx, None); self.min_tokens.pop(idx, None); self.logit_bias.pop(idx, None)
-    self.num_logprobs.pop(req_id, None); self.num_prompt_logprobs.pop(req_id, None)
+    self.generators.pop(idx, None)
+    self.min_tokens.pop(idx, None)
+    self.logit_bias.pop(idx, None)
+    self.num_logprobs.pop(req_id, None)
+    self.num_prompt_logprobs.pop(req_id, None)
     return idx
 
-InputBatch.add_request, InputBatch._add_sampling_params, InputBatch.remove_request = _add_request, _add_sampling_params, _remove_request
+
+InputBatch.add_request, InputBatch._add_sampling_params, InputBatch.remove_request = (
+    _add_request,
+    _add_sampling_params,
+    _remove_request,
+)
 
 # %% ../../../nbs/42_input_batch.ipynb #50542351
 def _move_row(self: InputBatch, src: int, tgt: int) -> None:
@@ -175,10 +249,13 @@ def _move_row(self: InputBatch, src: int, tgt: int) -> None:
     self.req_id_to_index[req_id] = tgt
     n = self.num_tokens[src]
     self.token_ids_cpu[tgt, :n] = self.token_ids_cpu[src, :n]
-    for arr in self._per_row: arr[tgt] = arr[src]
+    for arr in self._per_row:
+        arr[tgt] = arr[src]
     self.block_table.move_row(src, tgt)
     for d in (self.generators, self.min_tokens, self.logit_bias):
-        if src in d: d[tgt] = d.pop(src)
+        if src in d:
+            d[tgt] = d.pop(src)
+
 
 def _condense(self: InputBatch) -> None:
     "Move tail rows into holes so rows [0, num_reqs) are the live requests. Source: vLLM `InputBatch.condense`."
@@ -186,28 +263,40 @@ def _condense(self: InputBatch) -> None:
     self._empty_indices = []
     last = len(self._req_ids) - 1
     for hole in holes:
-        while last > hole and self._req_ids[last] is None: last -= 1
-        if last <= hole: break
+        while last > hole and self._req_ids[last] is None:
+            last -= 1
+        if last <= hole:
+            break
         self._move_row(last, hole)
         last -= 1
-    del self._req_ids[self.num_reqs:]
-    del self.req_output_token_ids[self.num_reqs:]
+    del self._req_ids[self.num_reqs :]
+    del self.req_output_token_ids[self.num_reqs :]
+
 
 def _swap_states(self: InputBatch, i1: int, i2: int) -> None:
     "Exchange rows i1 and i2 entirely (used to reorder the batch). Source: vLLM `InputBatch.swap_states`."
     a, b = self._req_ids[i1], self._req_ids[i2]
     self._req_ids[i1], self._req_ids[i2] = b, a
-    self.req_output_token_ids[i1], self.req_output_token_ids[i2] = self.req_output_token_ids[i2], self.req_output_token_ids[i1]
-    if a is not None: self.req_id_to_index[a] = i2
-    if b is not None: self.req_id_to_index[b] = i1
+    self.req_output_token_ids[i1], self.req_output_token_ids[i2] = (
+        self.req_output_token_ids[i2],
+        self.req_output_token_ids[i1],
+    )
+    if a is not None:
+        self.req_id_to_index[a] = i2
+    if b is not None:
+        self.req_id_to_index[b] = i1
     n = max(self.num_tokens[i1], self.num_tokens[i2])
     self.token_ids_cpu[[i1, i2], :n] = self.token_ids_cpu[[i2, i1], :n]
-    for arr in self._per_row: arr[[i1, i2]] = arr[[i2, i1]]
+    for arr in self._per_row:
+        arr[[i1, i2]] = arr[[i2, i1]]
     self.block_table.swap_row(i1, i2)
     for d in (self.generators, self.min_tokens, self.logit_bias):
         v1, v2 = d.pop(i1, None), d.pop(i2, None)
-        if v1 is not None: d[i2] = v1
-        if v2 is not None: d[i1] = v2
+        if v1 is not None:
+            d[i2] = v1
+        if v2 is not None:
+            d[i1] = v2
+
 
 InputBatch._move_row, InputBatch.condense, InputBatch.swap_states = _move_row, _condense, _swap_states
 
@@ -224,20 +313,27 @@ def _make_sampling_metadata(self: InputBatch) -> SamplingMetadata:
         prompt_ids = torch.from_numpy(ids).to(self.device)
     return SamplingMetadata(
         temperature=None if self.all_greedy else dev(self.temperature),
-        all_greedy=self.all_greedy, all_random=self.all_random,
+        all_greedy=self.all_greedy,
+        all_random=self.all_random,
         top_p=dev(self.top_p) if self.top_p_reqs else None,
         top_k=dev(self.top_k) if self.top_k_reqs else None,
         min_p=dev(self.min_p) if self.min_p_reqs else None,
-        generators=dict(self.generators), max_num_logprobs=self.max_num_logprobs,
-        no_penalties=no_penalties, prompt_token_ids=prompt_ids,
+        generators=dict(self.generators),
+        max_num_logprobs=self.max_num_logprobs,
+        no_penalties=no_penalties,
+        prompt_token_ids=prompt_ids,
         frequency_penalties=None if no_penalties else dev(self.frequency_penalties),
         presence_penalties=None if no_penalties else dev(self.presence_penalties),
         repetition_penalties=None if no_penalties else dev(self.repetition_penalties),
-        output_token_ids=self.req_output_token_ids[:n], min_tokens=dict(self.min_tokens),
-        logit_bias=dict(self.logit_bias))
+        output_token_ids=self.req_output_token_ids[:n],
+        min_tokens=dict(self.min_tokens),
+        logit_bias=dict(self.logit_bias),
+    )
+
 
 def _refresh_metadata(self: InputBatch) -> None:
     "Rebuild `sampling_metadata` for the current rows (call after the batch changed)."
     self.sampling_metadata = self._make_sampling_metadata()
+
 
 InputBatch._make_sampling_metadata, InputBatch.refresh_metadata = _make_sampling_metadata, _refresh_metadata

@@ -35,6 +35,7 @@ class ExecuteModelState(NamedTuple):
     """What execute_model leaves for sample_tokens. logits: (num_reqs, vocab) float32; hidden_states:
     (num_tokens, hidden); discard_req_indices: (k,) rows whose prefill is unfinished (their sample is dropped).
     Source: vLLM v1/worker/gpu_model_runner.py `ExecuteModelState`."""
+
     scheduler_output: SchedulerOutput
     logits: torch.Tensor
     hidden_states: torch.Tensor
@@ -42,24 +43,30 @@ class ExecuteModelState(NamedTuple):
     discard_req_indices: np.ndarray
     attn_metadata: dict[str, Any]
 
+
 @dataclass
 class AttentionGroup:
     """Layers of KV cache group `kv_cache_group_id` served by one attention `backend` and one metadata builder.
     Source: vLLM v1/worker/utils.py `AttentionGroup`."""
+
     backend: Any
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
     kv_cache_group_id: int
     metadata_builder: Any = None
 
-    def get_metadata_builder(self) -> Any: return self.metadata_builder
+    def get_metadata_builder(self) -> Any:
+        return self.metadata_builder
+
 
 def get_attn_backend_of(layer: nn.Module, device: torch.device | str | None = None) -> Any:
     "The attention backend class a layer asks for (`get_attn_backend()` / `attn_backend`), else the selector's for `device`."
-    if hasattr(layer, "get_attn_backend"): return layer.get_attn_backend()
+    if hasattr(layer, "get_attn_backend"):
+        return layer.get_attn_backend()
     backend = getattr(layer, "attn_backend", None)
     if backend is None:
         from minivllm.attention.selector import get_attn_backend
+
         backend = get_attn_backend(getattr(layer, "head_size", None), device=device)
     return backend
 
@@ -95,7 +102,9 @@ class GPUModelRunner:
         self.positions = buf(self.max_num_tokens, torch.int64)
         self.query_start_loc = buf(self.max_num_reqs + 1, torch.int32)
         self.seq_lens = buf(self.max_num_reqs, torch.int32)
-        self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens), dtype=np.int64)
+        self.arange_np = np.arange(
+            max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens), dtype=np.int64
+        )
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.attn_groups: list[list[AttentionGroup]] = []
@@ -103,73 +112,124 @@ class GPUModelRunner:
         self.num_prompt_logprobs: dict[str, int] = {}  # requests whose prompt logprobs are still owed
         self.in_progress_prompt_logprobs: dict[str, LogprobsTensors] = {}
 
-    def _make_input_batch(self, block_sizes: list[int], kernel_block_sizes: list[int] | None = None) -> InputBatch:
-        return InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens, self.device, self.pin_memory,
-                          self.vocab_size, block_sizes, kernel_block_sizes)
+    def _make_input_batch(
+        self, block_sizes: list[int], kernel_block_sizes: list[int] | None = None
+    ) -> InputBatch:
+        return InputBatch(
+            self.max_num_reqs,
+            self.max_model_len,
+            self.max_num_tokens,
+            self.device,
+            self.pin_memory,
+            self.vocab_size,
+            block_sizes,
+            kernel_block_sizes,
+        )
 
     def load_model(self) -> None:
         "Build the model with its weights on `device` (`minivllm.model_executor.model_loader.get_model`)."
         from minivllm.model_executor.model_loader import get_model
+
         self.model = get_model(vllm_config=self.vllm_config)
 
-    def get_model(self) -> nn.Module: return self.model
+    def get_model(self) -> nn.Module:
+        return self.model
 
     def get_attention_layers(self) -> dict[str, nn.Module]:
         "layer_name -> attention module, in model order (modules with `layer_name` and `get_kv_cache_spec`)."
-        return {m.layer_name: m for m in self.model.modules()
-                if hasattr(m, "layer_name") and hasattr(m, "get_kv_cache_spec")}
+        return {
+            m.layer_name: m
+            for m in self.model.modules()
+            if hasattr(m, "layer_name") and hasattr(m, "get_kv_cache_spec")
+        }
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         "What each attention layer needs per block (block_size from the cache config, dtype of the KV cache)."
-        return {name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
-                for name, layer in self.get_attention_layers().items()}
+        return {
+            name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
+            for name, layer in self.get_attention_layers().items()
+        }
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #54c403aa
 def _kernel_block_size(backend: Any, block_size: int) -> int:
     "Largest kernel block size the backend supports that divides `block_size` (the block size itself if any works)."
-    sizes = backend.get_supported_kernel_block_sizes() if hasattr(backend, "get_supported_kernel_block_sizes") else []
+    sizes = (
+        backend.get_supported_kernel_block_sizes()
+        if hasattr(backend, "get_supported_kernel_block_sizes")
+        else []
+    )
     sizes = [s for s in sizes if isinstance(s, int)]
-    if not sizes or block_size in sizes: return block_size
+    if not sizes or block_size in sizes:
+        return block_size
     fits = [s for s in sizes if block_size % s == 0]
-    if not fits: raise ValueError(f"backend {backend} supports kernel block sizes {sizes}, none divides {block_size}")
+    if not fits:
+        raise ValueError(f"backend {backend} supports kernel block sizes {sizes}, none divides {block_size}")
     return max(fits)
+
 
 def _initialize_attn_backend(self: GPUModelRunner, kv_cache_config: KVCacheConfig) -> None:
     layers = self.get_attention_layers()
     self.attn_groups = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         by_backend: dict[Any, list[str]] = {}
-        for name in group.layer_names: by_backend.setdefault(get_attn_backend_of(layers[name], self.device), []).append(name)
-        self.attn_groups.append([
-            AttentionGroup(b, names, group.kv_cache_spec, gid,
-                           b.get_builder_cls()(group.kv_cache_spec, names, self.vllm_config, self.device))
-            for b, names in by_backend.items()])
+        for name in group.layer_names:
+            by_backend.setdefault(get_attn_backend_of(layers[name], self.device), []).append(name)
+        self.attn_groups.append(
+            [
+                AttentionGroup(
+                    b,
+                    names,
+                    group.kv_cache_spec,
+                    gid,
+                    b.get_builder_cls()(group.kv_cache_spec, names, self.vllm_config, self.device),
+                )
+                for b, names in by_backend.items()
+            ]
+        )
+
 
 def _may_reinitialize_input_batch(self: GPUModelRunner, kv_cache_config: KVCacheConfig) -> None:
     block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
-    kernel_sizes = [_kernel_block_size(ags[0].backend, bs) if ags else bs for ags, bs in zip(self.attn_groups, block_sizes)]
-    if block_sizes == [self.block_size] and kernel_sizes == block_sizes: return
-    if self.requests: raise RuntimeError("cannot change the KV cache layout while requests are running")
+    kernel_sizes = [
+        _kernel_block_size(ags[0].backend, bs) if ags else bs
+        for ags, bs in zip(self.attn_groups, block_sizes)
+    ]
+    if block_sizes == [self.block_size] and kernel_sizes == block_sizes:
+        return
+    if self.requests:
+        raise RuntimeError("cannot change the KV cache layout while requests are running")
     self.input_batch = self._make_input_batch(block_sizes, kernel_sizes)
 
-def _initialize_kv_cache_tensors(self: GPUModelRunner, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
+
+def _initialize_kv_cache_tensors(
+    self: GPUModelRunner, kv_cache_config: KVCacheConfig
+) -> dict[str, torch.Tensor]:
     raw: dict[str, torch.Tensor] = {}
     for t in kv_cache_config.kv_cache_tensors:
         buf = torch.zeros(t.size, dtype=torch.int8, device=self.device)
-        for name in t.shared_by: raw[name] = buf
+        for name in t.shared_by:
+            raw[name] = buf
     kv_caches = {}
     for gid, ags in enumerate(self.attn_groups):
         kernel_bs = self.input_batch.block_table[gid].block_size
         for ag in ags:
             spec = ag.kv_cache_spec
-            if not isinstance(spec, AttentionSpec): raise NotImplementedError(f"KV cache spec {type(spec).__name__}")
+            if not isinstance(spec, AttentionSpec):
+                raise NotImplementedError(f"KV cache spec {type(spec).__name__}")
             for name in ag.layer_names:
                 if name not in raw:  # no shared tensor planned: give the layer its own num_blocks pages
-                    raw[name] = torch.zeros(kv_cache_config.num_blocks * spec.page_size_bytes, dtype=torch.int8, device=self.device)
+                    raw[name] = torch.zeros(
+                        kv_cache_config.num_blocks * spec.page_size_bytes,
+                        dtype=torch.int8,
+                        device=self.device,
+                    )
                 num_blocks = raw[name].numel() // spec.page_size_bytes * (spec.block_size // kernel_bs)
-                shape = ag.backend.get_kv_cache_shape(num_blocks, kernel_bs, spec.num_kv_heads, spec.head_size)
-                kv_caches[name] = raw[name].view(spec.dtype)[:int(np.prod(shape))].view(shape)
+                shape = ag.backend.get_kv_cache_shape(
+                    num_blocks, kernel_bs, spec.num_kv_heads, spec.head_size
+                )
+                kv_caches[name] = raw[name].view(spec.dtype)[: int(np.prod(shape))].view(shape)
     return kv_caches
+
 
 def _initialize_kv_cache(self: GPUModelRunner, kv_cache_config: KVCacheConfig) -> None:
     """Allocate the KV cache of `kv_cache_config`, build the attention groups and bind `layer.kv_cache`.
@@ -179,8 +239,10 @@ def _initialize_kv_cache(self: GPUModelRunner, kv_cache_config: KVCacheConfig) -
     self.may_reinitialize_input_batch(kv_cache_config)
     kv_caches = self.initialize_kv_cache_tensors(kv_cache_config)
     layers = self.get_attention_layers()
-    for name, t in kv_caches.items(): layers[name].kv_cache = t
+    for name, t in kv_caches.items():
+        layers[name].kv_cache = t
     self.kv_caches = [kv_caches[n] for n in layers if n in kv_caches]
+
 
 GPUModelRunner._initialize_attn_backend = _initialize_attn_backend
 GPUModelRunner.may_reinitialize_input_batch = _may_reinitialize_input_batch
@@ -194,12 +256,14 @@ def _update_states(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> N
     changed = False
     for req_id in scheduler_output.finished_req_ids:
         self.requests.pop(req_id, None)
-        self.num_prompt_logprobs.pop(req_id, None); self.in_progress_prompt_logprobs.pop(req_id, None)
+        self.num_prompt_logprobs.pop(req_id, None)
+        self.in_progress_prompt_logprobs.pop(req_id, None)
         changed |= ib.remove_request(req_id) is not None
     cached = scheduler_output.scheduled_cached_reqs
     scheduled = scheduler_output.num_scheduled_tokens.keys()
     for req_id in [r for r in ib.req_id_to_index if r not in scheduled or r in cached.resumed_req_ids]:
-        ib.remove_request(req_id); changed = True
+        ib.remove_request(req_id)
+        changed = True
 
     reqs_to_add: list[CachedRequestState] = []
     for new in scheduler_output.scheduled_new_reqs:
@@ -207,12 +271,23 @@ def _update_states(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> N
         generator = None
         if sp is not None and sp.sampling_type == SamplingType.RANDOM_SEED:
             generator = torch.Generator(device=self.device).manual_seed(sp.seed)
-        if ib.remove_request(new.req_id) is not None: changed = True  # re-sent whole: start over
-        state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, generator,
-                                   tuple(list(b) for b in new.block_ids), new.num_computed_tokens, [],
-                                   list(new.mm_features or []), new.pooling_params, new.lora_request)
+        if ib.remove_request(new.req_id) is not None:
+            changed = True  # re-sent whole: start over
+        state = CachedRequestState(
+            new.req_id,
+            list(new.prompt_token_ids),
+            sp,
+            generator,
+            tuple(list(b) for b in new.block_ids),
+            new.num_computed_tokens,
+            [],
+            list(new.mm_features or []),
+            new.pooling_params,
+            new.lora_request,
+        )
         self.requests[new.req_id] = state
-        if sp is not None and sp.prompt_logprobs is not None: self.num_prompt_logprobs[new.req_id] = sp.prompt_logprobs
+        if sp is not None and sp.prompt_logprobs is not None:
+            self.num_prompt_logprobs[new.req_id] = sp.prompt_logprobs
         reqs_to_add.append(state)
 
     for i, req_id in enumerate(cached.req_ids):
@@ -221,25 +296,30 @@ def _update_states(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> N
         new_block_ids = cached.new_block_ids[i]
         resumed = req_id in cached.resumed_req_ids
         if resumed and req_id in cached.all_token_ids:  # the scheduler's token list is authoritative
-            state.output_token_ids[:] = cached.all_token_ids[req_id][state.num_prompt_tokens:]
+            state.output_token_ids[:] = cached.all_token_ids[req_id][state.num_prompt_tokens :]
         elif i < len(cached.num_output_tokens) and cached.num_output_tokens[i] < len(state.output_token_ids):
-            del state.output_token_ids[cached.num_output_tokens[i]:]  # tokens the scheduler rejected
+            del state.output_token_ids[cached.num_output_tokens[i] :]  # tokens the scheduler rejected
             if req_id in ib.req_id_to_index:
                 ib.num_tokens[ib.req_id_to_index[req_id]] = state.num_tokens
         if resumed:
             state.block_ids = tuple(list(b) for b in new_block_ids)
         elif new_block_ids is not None:
-            for ids, new_ids in zip(state.block_ids, new_block_ids): ids.extend(new_ids)
+            for ids, new_ids in zip(state.block_ids, new_block_ids):
+                ids.extend(new_ids)
         idx = ib.req_id_to_index.get(req_id)
         if idx is None:  # resumed, or scheduled again after a step off the batch
-            reqs_to_add.append(state); continue
+            reqs_to_add.append(state)
+            continue
         ib.num_computed_tokens_cpu[idx] = state.num_computed_tokens
-        if new_block_ids is not None: ib.block_table.append_row(new_block_ids, idx)
+        if new_block_ids is not None:
+            ib.block_table.append_row(new_block_ids, idx)
 
-    for state in reqs_to_add: ib.add_request(state)
+    for state in reqs_to_add:
+        ib.add_request(state)
     if changed or reqs_to_add:
         ib.condense()
         ib.refresh_metadata()
+
 
 GPUModelRunner._update_states = _update_states
 
@@ -247,9 +327,12 @@ GPUModelRunner._update_states = _update_states
 def _get_cumsum_and_arange(self: GPUModelRunner, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     "[2, 5, 3] -> cumsum [2, 7, 10] and arange [0,1,0,1,2,3,4,0,1,2]."
     cu = np.cumsum(num_tokens)
-    return cu, self.arange_np[:cu[-1]] - np.repeat(cu - num_tokens, num_tokens)
+    return cu, self.arange_np[: cu[-1]] - np.repeat(cu - num_tokens, num_tokens)
 
-def _prepare_inputs(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+
+def _prepare_inputs(
+    self: GPUModelRunner, scheduler_output: SchedulerOutput
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Fill input_ids, positions, slot mappings, query_start_loc, seq_lens for this step.
 
     Returns logits_indices (num_reqs,) int64 on device (each request's last scheduled token),
@@ -268,7 +351,7 @@ def _prepare_inputs(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> 
     ib.block_table.compute_slot_mapping(req_indices, positions)
     ib.block_table.commit_slot_mapping(total)
     self.query_start_loc.np[0] = 0
-    self.query_start_loc.np[1:num_reqs + 1] = cu_num_tokens
+    self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
     self.query_start_loc.copy_to_gpu(num_reqs + 1)
     seq_lens = self.seq_lens.np[:num_reqs]
     np.add(ib.num_computed_tokens_cpu[:num_reqs], num_scheduled, out=seq_lens)
@@ -279,25 +362,38 @@ def _prepare_inputs(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> 
     discard = np.nonzero(seq_lens < ib.num_tokens[:num_reqs])[0]
     return logits_indices, num_scheduled, discard
 
-def _build_attention_metadata(self: GPUModelRunner, num_reqs: int, num_tokens: int, max_query_len: int,
-                              max_seq_len: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+
+def _build_attention_metadata(
+    self: GPUModelRunner, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """One CommonAttentionMetadata per KV cache group -> builder.build() per attention group.
     Returns (layer_name -> metadata, layer_name -> slot mapping (num_tokens,) int64).
     Source: vLLM gpu_model_runner.py `_build_attention_metadata`, `_get_slot_mappings`."""
     base = CommonAttentionMetadata(
-        query_start_loc=self.query_start_loc.gpu[:num_reqs + 1], query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1],
-        seq_lens=self.seq_lens.gpu[:num_reqs], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-        num_computed_tokens_cpu=self.input_batch.num_computed_tokens_cpu_tensor[:num_reqs], num_reqs=num_reqs,
-        num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        block_table_tensor=None, slot_mapping=None)
+        query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
+        query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
+        seq_lens=self.seq_lens.gpu[:num_reqs],
+        seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+        num_computed_tokens_cpu=self.input_batch.num_computed_tokens_cpu_tensor[:num_reqs],
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        block_table_tensor=None,
+        slot_mapping=None,
+    )
     attn_metadata, slot_mappings = {}, {}
     for gid, ags in enumerate(self.attn_groups):
         bt = self.input_batch.block_table[gid]
-        cm = base.copy_with(block_table_tensor=bt.get_device_tensor(num_reqs), slot_mapping=bt.slot_mapping.gpu[:num_tokens])
+        cm = base.copy_with(
+            block_table_tensor=bt.get_device_tensor(num_reqs), slot_mapping=bt.slot_mapping.gpu[:num_tokens]
+        )
         for ag in ags:
             md = ag.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=cm)
-            for name in ag.layer_names: attn_metadata[name], slot_mappings[name] = md, cm.slot_mapping
+            for name in ag.layer_names:
+                attn_metadata[name], slot_mappings[name] = md, cm.slot_mapping
     return attn_metadata, slot_mappings
+
 
 GPUModelRunner._get_cumsum_and_arange = _get_cumsum_and_arange
 GPUModelRunner._prepare_inputs = _prepare_inputs
@@ -306,19 +402,30 @@ GPUModelRunner._build_attention_metadata = _build_attention_metadata
 # %% ../../../nbs/43_gpu_model_runner.ipynb #dacb24eb
 from ...compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
 from ...compilation_config import CUDAGraphMode
-from ..cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher, is_uniform_decode, pad_attn_inputs
+from minivllm.v1.cudagraph_dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    is_uniform_decode,
+    pad_attn_inputs,
+)
+
 
 def _resolve_cudagraph_mode(self: GPUModelRunner) -> CUDAGraphMode:
     "The configured mode lowered to what this runner can capture (NONE on the CPU)."
     mode = self.vllm_config.compilation_config.cudagraph_mode
-    if self.device.type != "cuda": return CUDAGraphMode.NONE
+    if self.device.type != "cuda":
+        return CUDAGraphMode.NONE
     builders = [ag.get_metadata_builder() for ags in self.attn_groups for ag in ags]
     if mode.has_full_cudagraphs() and not all(getattr(b, "cudagraph_support", False) for b in builders):
         fallback = CUDAGraphMode.NONE if mode == CUDAGraphMode.FULL_DECODE_ONLY else CUDAGraphMode.PIECEWISE
-        logger.warning("cudagraph_mode=%s: an attention backend cannot be captured in a full graph; using %s",
-                       mode.name, fallback.name)
+        logger.warning(
+            "cudagraph_mode=%s: an attention backend cannot be captured in a full graph; using %s",
+            mode.name,
+            fallback.name,
+        )
         mode = fallback
     return mode
+
 
 def _init_cudagraphs(self: GPUModelRunner) -> CUDAGraphMode:
     "Set up `cudagraph_dispatcher` and the (empty) wrappers of the mode actually used; returns that mode."
@@ -331,40 +438,62 @@ def _init_cudagraphs(self: GPUModelRunner) -> CUDAGraphMode:
         pool, runnable = torch.cuda.graph_pool_handle(), self.model
         if mode.has_piecewise_cudagraphs():  # innermost: cut at the attention layers
             runnable = self.cudagraph_wrappers[CUDAGraphMode.PIECEWISE] = CUDAGraphWrapper(
-                runnable, CUDAGraphMode.PIECEWISE, list(self.get_attention_layers().values()), graph_pool=pool)
+                runnable, CUDAGraphMode.PIECEWISE, list(self.get_attention_layers().values()), graph_pool=pool
+            )
         if mode.has_full_cudagraphs():
-            runnable = self.cudagraph_wrappers[CUDAGraphMode.FULL] = CUDAGraphWrapper(runnable, CUDAGraphMode.FULL, graph_pool=pool)
+            runnable = self.cudagraph_wrappers[CUDAGraphMode.FULL] = CUDAGraphWrapper(
+                runnable, CUDAGraphMode.FULL, graph_pool=pool
+            )
         self.cudagraph_model = runnable
     self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
     return mode
 
+
 def _cudagraphs(self: GPUModelRunner) -> dict[BatchDescriptor, CUDAGraphEntry]:
     "Every captured entry, FULL and PIECEWISE (their keys never overlap)."
-    return {k: e for w in getattr(self, "cudagraph_wrappers", {}).values() for k, e in w.concrete_cudagraph_entries.items()}
+    return {
+        k: e
+        for w in getattr(self, "cudagraph_wrappers", {}).values()
+        for k, e in w.concrete_cudagraph_entries.items()
+    }
+
 
 def _pad_for_cudagraph(self: GPUModelRunner, num_reqs: int, num_tokens: int, desc: BatchDescriptor) -> int:
     "Pad the persistent device buffers from the real step to `desc` (a FULL graph); returns the padded request count."
     num_padded_reqs = desc.num_reqs if desc.num_reqs is not None else min(desc.num_tokens, self.max_num_reqs)
     slot_maps = [bt.slot_mapping.gpu for bt in self.input_batch.block_table.block_tables]
-    pad_attn_inputs(self.query_start_loc.gpu, self.seq_lens.gpu, slot_maps, num_reqs, num_tokens,
-                    num_padded_reqs, desc.num_tokens)
-    self.input_ids.gpu[num_tokens:desc.num_tokens] = 0
-    self.positions.gpu[num_tokens:desc.num_tokens] = 0
+    pad_attn_inputs(
+        self.query_start_loc.gpu,
+        self.seq_lens.gpu,
+        slot_maps,
+        num_reqs,
+        num_tokens,
+        num_padded_reqs,
+        desc.num_tokens,
+    )
+    self.input_ids.gpu[num_tokens : desc.num_tokens] = 0
+    self.positions.gpu[num_tokens : desc.num_tokens] = 0
     return num_padded_reqs
 
-def _dispatch_cudagraph(self: GPUModelRunner, num_reqs: int, num_tokens: int,
-                        num_scheduled: np.ndarray) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
+
+def _dispatch_cudagraph(
+    self: GPUModelRunner, num_reqs: int, num_tokens: int, num_scheduled: np.ndarray
+) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
     """This step's (runtime mode, key), with the buffers padded for it: FULL pads the attention inputs too,
     PIECEWISE only input_ids / positions. (NONE, None) when no captured graph fits: run eager."""
     wrappers = getattr(self, "cudagraph_wrappers", None)
-    if not wrappers: return CUDAGraphMode.NONE, None
+    if not wrappers:
+        return CUDAGraphMode.NONE, None
     mode, desc = self.cudagraph_dispatcher.dispatch(num_tokens, is_uniform_decode(num_scheduled), num_reqs)
-    if mode not in wrappers or desc not in wrappers[mode].concrete_cudagraph_entries: return CUDAGraphMode.NONE, None
-    if mode == CUDAGraphMode.FULL: self._pad_for_cudagraph(num_reqs, num_tokens, desc)
+    if mode not in wrappers or desc not in wrappers[mode].concrete_cudagraph_entries:
+        return CUDAGraphMode.NONE, None
+    if mode == CUDAGraphMode.FULL:
+        self._pad_for_cudagraph(num_reqs, num_tokens, desc)
     else:
-        self.input_ids.gpu[num_tokens:desc.num_tokens] = 0
-        self.positions.gpu[num_tokens:desc.num_tokens] = 0
+        self.input_ids.gpu[num_tokens : desc.num_tokens] = 0
+        self.positions.gpu[num_tokens : desc.num_tokens] = 0
     return mode, desc
+
 
 @torch.inference_mode()
 def _capture_model(self: GPUModelRunner) -> int:
@@ -373,41 +502,74 @@ def _capture_model(self: GPUModelRunner) -> int:
     max_model_len tokens plus empty ones), run eagerly once, then through the wrappers in the key's runtime mode.
     Returns the number of entries (0 on the CPU or with mode NONE). Source: vLLM gpu_model_runner.py `capture_model`."""
     self._init_cudagraphs()
-    keys = [(m, k) for m in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE) for k in self.cudagraph_dispatcher.cudagraph_keys[m]]
+    keys = [
+        (m, k)
+        for m in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE)
+        for k in self.cudagraph_dispatcher.cudagraph_keys[m]
+    ]
     keys.sort(key=lambda mk: (-mk[1].num_tokens, mk[1].uniform_decode))
-    if not keys or self.cudagraph_model is None: return 0
+    if not keys or self.cudagraph_model is None:
+        return 0
     for runtime_mode, desc in keys:
         N = desc.num_tokens
-        L = min(N, self.max_model_len)  # mixed: prompts of at most max_model_len tokens (block table rows fit)
+        L = min(
+            N, self.max_model_len
+        )  # mixed: prompts of at most max_model_len tokens (block table rows fit)
         query_lens = [1] * N if desc.uniform_decode else [L] * (N // L) + ([N % L] if N % L else [])
         R = self._pad_for_cudagraph(0, 0, desc)  # everything padding first: slots -1, empty requests
-        if len(query_lens) > R: continue  # cannot occur with the scheduler's limits (max_num_seqs * max_model_len)
+        if len(query_lens) > R:
+            continue  # cannot occur with the scheduler's limits (max_num_seqs * max_model_len)
         self.query_start_loc.gpu[0] = 0
-        self.query_start_loc.gpu[1:len(query_lens) + 1] = torch.tensor(np.cumsum(query_lens), device=self.query_start_loc.gpu.device)
-        self.query_start_loc.gpu[len(query_lens) + 1:R + 1] = N
-        self.seq_lens.gpu[:len(query_lens)] = torch.tensor(query_lens, device=self.seq_lens.gpu.device)
+        self.query_start_loc.gpu[1 : len(query_lens) + 1] = torch.tensor(
+            np.cumsum(query_lens), device=self.query_start_loc.gpu.device
+        )
+        self.query_start_loc.gpu[len(query_lens) + 1 : R + 1] = N
+        self.seq_lens.gpu[: len(query_lens)] = torch.tensor(query_lens, device=self.seq_lens.gpu.device)
         attn_metadata, slot_mappings = self._build_attention_metadata(R, N, max(query_lens), max(query_lens))
         ids, pos = self.input_ids.gpu[:N], self.positions.gpu[:N]
-        with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings, batch_descriptor=desc):
+        with set_forward_context(
+            attn_metadata, self.vllm_config, slot_mapping=slot_mappings, batch_descriptor=desc
+        ):
             self.model(ids, pos)  # warm-up, eager: Triton compiles outside the graph
         torch.cuda.synchronize(self.device)
-        with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings, batch_descriptor=desc,
-                                 cudagraph_runtime_mode=runtime_mode):
-            self.cudagraph_model(ids, pos)  # first call with this key: the wrapper of runtime_mode captures it
+        with set_forward_context(
+            attn_metadata,
+            self.vllm_config,
+            slot_mapping=slot_mappings,
+            batch_descriptor=desc,
+            cudagraph_runtime_mode=runtime_mode,
+        ):
+            self.cudagraph_model(
+                ids, pos
+            )  # first call with this key: the wrapper of runtime_mode captures it
     torch.cuda.synchronize(self.device)
     n = {m.name: len(w.concrete_cudagraph_entries) for m, w in self.cudagraph_wrappers.items()}
-    logger.info("captured CUDA graphs (%s): %s, sizes %d..%d", self.vllm_config.compilation_config.cudagraph_mode.name,
-                n, min(k.num_tokens for _, k in keys), max(k.num_tokens for _, k in keys))
+    logger.info(
+        "captured CUDA graphs (%s): %s, sizes %d..%d",
+        self.vllm_config.compilation_config.cudagraph_mode.name,
+        n,
+        min(k.num_tokens for _, k in keys),
+        max(k.num_tokens for _, k in keys),
+    )
     return len(self.cudagraphs)
 
-GPUModelRunner._resolve_cudagraph_mode, GPUModelRunner._init_cudagraphs = _resolve_cudagraph_mode, _init_cudagraphs
+
+GPUModelRunner._resolve_cudagraph_mode, GPUModelRunner._init_cudagraphs = (
+    _resolve_cudagraph_mode,
+    _init_cudagraphs,
+)
 GPUModelRunner.cudagraphs = property(_cudagraphs)
-GPUModelRunner._pad_for_cudagraph, GPUModelRunner._dispatch_cudagraph = _pad_for_cudagraph, _dispatch_cudagraph
+GPUModelRunner._pad_for_cudagraph, GPUModelRunner._dispatch_cudagraph = (
+    _pad_for_cudagraph,
+    _dispatch_cudagraph,
+)
 GPUModelRunner.capture_model = _capture_model
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #88ce094d
 @torch.inference_mode()
-def _execute_model(self: GPUModelRunner, scheduler_output: SchedulerOutput, intermediate_tensors: Any = None) -> ModelRunnerOutput | None:
+def _execute_model(
+    self: GPUModelRunner, scheduler_output: SchedulerOutput, intermediate_tensors: Any = None
+) -> ModelRunnerOutput | None:
     """Phase 1: update state, prepare inputs, run the model and compute the logits of each request's last token.
     Returns None (call sample_tokens next) or EMPTY_MODEL_RUNNER_OUTPUT when no token is scheduled.
     Source: vLLM gpu_model_runner.py `execute_model`."""
@@ -415,22 +577,34 @@ def _execute_model(self: GPUModelRunner, scheduler_output: SchedulerOutput, inte
         raise RuntimeError("execute_model called twice without sample_tokens in between")
     self._update_states(scheduler_output)
     total = scheduler_output.total_num_scheduled_tokens
-    if total == 0: return EMPTY_MODEL_RUNNER_OUTPUT
+    if total == 0:
+        return EMPTY_MODEL_RUNNER_OUTPUT
     num_reqs = self.input_batch.num_reqs
     logits_indices, num_scheduled, discard = self._prepare_inputs(scheduler_output)
     max_seq_len = int(self.seq_lens.np[:num_reqs].max())
     mode, desc = self._dispatch_cudagraph(num_reqs, total, num_scheduled)  # (NONE, None): eager
     num_input_tokens = desc.num_tokens if desc is not None else total
-    attn_metadata, slot_mappings = self._build_attention_metadata(num_reqs, total, int(num_scheduled.max()), max_seq_len)
+    attn_metadata, slot_mappings = self._build_attention_metadata(
+        num_reqs, total, int(num_scheduled.max()), max_seq_len
+    )
     model = self.cudagraph_model if desc is not None else self.model
-    with set_forward_context(attn_metadata, self.vllm_config, slot_mapping=slot_mappings, batch_descriptor=desc,
-                             cudagraph_runtime_mode=mode):
-        hidden_states = model(self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens])[:total]
+    with set_forward_context(
+        attn_metadata,
+        self.vllm_config,
+        slot_mapping=slot_mappings,
+        batch_descriptor=desc,
+        cudagraph_runtime_mode=mode,
+    ):
+        hidden_states = model(self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens])[
+            :total
+        ]
     sample_hidden_states = hidden_states[logits_indices]
     logits = self.model.compute_logits(sample_hidden_states)
-    self.execute_model_state = ExecuteModelState(scheduler_output, logits, hidden_states, sample_hidden_states,
-                                                 discard, attn_metadata)
+    self.execute_model_state = ExecuteModelState(
+        scheduler_output, logits, hidden_states, sample_hidden_states, discard, attn_metadata
+    )
     return None
+
 
 @torch.inference_mode()
 def _sample_tokens(self: GPUModelRunner, grammar_output: Any = None) -> ModelRunnerOutput:
@@ -438,14 +612,18 @@ def _sample_tokens(self: GPUModelRunner, grammar_output: Any = None) -> ModelRun
     Raises NotImplementedError for a grammar bitmask (structured outputs are not implemented).
     Source: vLLM gpu_model_runner.py `sample_tokens`, `_bookkeeping_sync`."""
     state, self.execute_model_state = self.execute_model_state, None
-    if state is None: return EMPTY_MODEL_RUNNER_OUTPUT
+    if state is None:
+        return EMPTY_MODEL_RUNNER_OUTPUT
     if grammar_output is not None and getattr(grammar_output, "grammar_bitmask", None) is not None:
         raise NotImplementedError("structured output (grammar bitmask) is not implemented in minivllm")
     ib = self.input_batch
     md = ib.sampling_metadata
-    saved = {i: md.generators[i].get_state() for i in state.discard_req_indices.tolist() if i in md.generators}
+    saved = {
+        i: md.generators[i].get_state() for i in state.discard_req_indices.tolist() if i in md.generators
+    }
     sampler_output = self.sampler(state.logits, md)
-    for i, s in saved.items(): md.generators[i].set_state(s)
+    for i, s in saved.items():
+        md.generators[i].set_state(s)
     sampled = sampler_output.sampled_token_ids[:, 0].cpu().numpy()
     num_reqs = ib.num_reqs
     keep = np.ones(num_reqs, dtype=bool)
@@ -461,45 +639,63 @@ def _sample_tokens(self: GPUModelRunner, grammar_output: Any = None) -> ModelRun
         valid[i] = [sampled_list[i]]
         self.requests[req_ids[i]].output_token_ids.append(sampled_list[i])
     lp = sampler_output.logprobs_tensors
-    prompt_lp = self._get_prompt_logprobs_dict(state.hidden_states, state.scheduler_output.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=dict(ib.req_id_to_index), sampled_token_ids=valid,
-                             logprobs=None if lp is None else lp.tolists(), prompt_logprobs_dict=prompt_lp)
+    prompt_lp = self._get_prompt_logprobs_dict(
+        state.hidden_states, state.scheduler_output.num_scheduled_tokens
+    )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index=dict(ib.req_id_to_index),
+        sampled_token_ids=valid,
+        logprobs=None if lp is None else lp.tolists(),
+        prompt_logprobs_dict=prompt_lp,
+    )
+
 
 GPUModelRunner.execute_model = _execute_model
 GPUModelRunner.sample_tokens = _sample_tokens
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #edec4497
-def _get_prompt_logprobs_dict(self: GPUModelRunner, hidden_states: torch.Tensor,
-                              num_scheduled_tokens: dict[str, int]) -> dict[str, LogprobsTensors]:
+def _get_prompt_logprobs_dict(
+    self: GPUModelRunner, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]
+) -> dict[str, LogprobsTensors]:
     """Prompt logprobs of the requests whose prefill completes this step: req_id -> LogprobsTensors with
     (num_prompt_tokens - 1) rows of [actual token, top-k] (CPU). Source: vLLM gpu_model_runner.py
     `_get_prompt_logprobs_dict`."""
     completed: dict[str, LogprobsTensors] = {}
     for req_id, k in self.num_prompt_logprobs.items():
         n = num_scheduled_tokens.get(req_id, 0)
-        if n == 0: continue
+        if n == 0:
+            continue
         req = self.requests[req_id]
         num_prompt, start = req.num_prompt_tokens, req.num_computed_tokens
         buf = self.in_progress_prompt_logprobs.get(req_id)
         if buf is None:
             rows = max(num_prompt - 1, 0)
-            buf = LogprobsTensors(torch.zeros(rows, k + 1, dtype=torch.int64), torch.zeros(rows, k + 1),
-                                  torch.zeros(rows, dtype=torch.int64))
+            buf = LogprobsTensors(
+                torch.zeros(rows, k + 1, dtype=torch.int64),
+                torch.zeros(rows, k + 1),
+                torch.zeros(rows, dtype=torch.int64),
+            )
             self.in_progress_prompt_logprobs[req_id] = buf
-            if start > 0: logger.warning("prompt logprobs of %s start at token %d (prefix cache hit)", req_id, start)
+            if start > 0:
+                logger.warning("prompt logprobs of %s start at token %d (prefix cache hit)", req_id, start)
         num_logits = min(n, num_prompt - 1 - start)
         if num_logits > 0:
             offset = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
-            logits = self.model.compute_logits(hidden_states[offset:offset + num_logits])
-            targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + num_logits], device=self.device)
+            logits = self.model.compute_logits(hidden_states[offset : offset + num_logits])
+            targets = torch.tensor(
+                req.prompt_token_ids[start + 1 : start + 1 + num_logits], device=self.device
+            )
             ids, lps, ranks = self.sampler.gather_logprobs(self.sampler.compute_logprobs(logits), k, targets)
-            buf.logprob_token_ids[start:start + num_logits] = ids.cpu()
-            buf.logprobs[start:start + num_logits] = lps.cpu()
-            buf.selected_token_ranks[start:start + num_logits] = ranks.cpu()
-        if start + n >= num_prompt: completed[req_id] = buf
+            buf.logprob_token_ids[start : start + num_logits] = ids.cpu()
+            buf.logprobs[start : start + num_logits] = lps.cpu()
+            buf.selected_token_ranks[start : start + num_logits] = ranks.cpu()
+        if start + n >= num_prompt:
+            completed[req_id] = buf
     for req_id in completed:
         del self.num_prompt_logprobs[req_id], self.in_progress_prompt_logprobs[req_id]
     return completed
+
 
 GPUModelRunner._get_prompt_logprobs_dict = _get_prompt_logprobs_dict
 
@@ -514,16 +710,24 @@ def _dummy_run(self: GPUModelRunner, num_tokens: int) -> torch.Tensor:
     with set_forward_context(None, self.vllm_config):
         return self.model(self.input_ids.gpu[:num_tokens], positions)
 
+
 @torch.inference_mode()
 def _dummy_sampler_run(self: GPUModelRunner, hidden_states: torch.Tensor) -> None:
     "Logits and a sample for `hidden_states.shape[0]` rows with temperature, top-k, top-p and logprobs on."
     n = hidden_states.shape[0]
     logits = self.model.compute_logits(hidden_states)
     f = lambda v: torch.full((n,), v, dtype=torch.float32, device=self.device)
-    md = SamplingMetadata(temperature=f(0.5), all_greedy=False, all_random=True, top_p=f(0.9),
-                          top_k=torch.full((n,), min(50, self.vocab_size), dtype=torch.int64, device=self.device),
-                          max_num_logprobs=5 if self.vocab_size >= 5 else None, output_token_ids=[[] for _ in range(n)])
+    md = SamplingMetadata(
+        temperature=f(0.5),
+        all_greedy=False,
+        all_random=True,
+        top_p=f(0.9),
+        top_k=torch.full((n,), min(50, self.vocab_size), dtype=torch.int64, device=self.device),
+        max_num_logprobs=5 if self.vocab_size >= 5 else None,
+        output_token_ids=[[] for _ in range(n)],
+    )
     self.sampler(logits, md)
+
 
 def _profile_run(self: GPUModelRunner) -> None:
     """The largest step the scheduler can send: max_num_batched_tokens tokens, then logits and sampling for
@@ -532,7 +736,9 @@ def _profile_run(self: GPUModelRunner) -> None:
     num_reqs = min(self.max_num_reqs, hidden.shape[0])
     idx = torch.linspace(0, hidden.shape[0] - 1, num_reqs, device=self.device).long()
     self._dummy_sampler_run(hidden[idx])
-    if self.device.type == "cuda": torch.cuda.synchronize(self.device)
+    if self.device.type == "cuda":
+        torch.cuda.synchronize(self.device)
+
 
 GPUModelRunner._dummy_run, GPUModelRunner._dummy_sampler_run = _dummy_run, _dummy_sampler_run
 GPUModelRunner.profile_run = _profile_run

@@ -27,14 +27,20 @@ __all__ = ['logger', 'set_random_seed', 'cpu_num_threads', 'Worker']
 # %% ../../../nbs/44_worker.ipynb #f3894d61
 def set_random_seed(seed: int) -> None:
     "Seed `random`, numpy and torch (CPU and every CUDA device). Source: vLLM utils `set_random_seed`."
-    random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
 
 def cpu_num_threads() -> int:
     "Threads for CPU inference: OMP_NUM_THREADS if set, else the CPUs this process may use."
     env = os.environ.get("OMP_NUM_THREADS")
-    if env and env.isdigit() and int(env) > 0: return int(env)
-    try: return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError: return max(1, os.cpu_count() or 1)
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
 
 # %% ../../../nbs/44_worker.ipynb #06ab194d
 class Worker:
@@ -44,8 +50,14 @@ class Worker:
     on this node. Raises NotImplementedError for tensor/pipeline parallelism (world_size > 1).
     Source: vLLM v1/worker/gpu_worker.py `Worker`."""
 
-    def __init__(self, vllm_config: VllmConfig, local_rank: int = 0, rank: int = 0,
-                 distributed_init_method: str | None = None, is_driver_worker: bool = True):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int = 0,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        is_driver_worker: bool = True,
+    ):
         self.vllm_config = vllm_config
         self.model_config, self.cache_config = vllm_config.model_config, vllm_config.cache_config
         self.parallel_config = vllm_config.parallel_config
@@ -58,8 +70,10 @@ class Worker:
     def init_device(self) -> None:
         "Select the device, seed, size the CPU thread pool, create the model runner."
         if self.parallel_config.world_size > 1:
-            raise NotImplementedError(f"tensor_parallel_size * pipeline_parallel_size = {self.parallel_config.world_size}; "
-                                      "minivllm runs one worker per engine for now")
+            raise NotImplementedError(
+                f"tensor_parallel_size * pipeline_parallel_size = {self.parallel_config.world_size}; "
+                "minivllm runs one worker per engine for now"
+            )
         device = self.vllm_config.device_config.device
         if device.type == "cuda":
             self.device = torch.device("cuda", self.local_rank if device.index is None else device.index)
@@ -72,10 +86,17 @@ class Worker:
         set_random_seed(self.model_config.seed)
         self.model_runner = GPUModelRunner(self.vllm_config, self.device)
 
-    def load_model(self) -> None: self.model_runner.load_model()
-    def get_model(self) -> torch.nn.Module: return self.model_runner.get_model()
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]: return self.model_runner.get_kv_cache_spec()
-    def get_supported_tasks(self) -> tuple[str, ...]: return ("generate",)
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
 
 # %% ../../../nbs/44_worker.ipynb #7ff1c57f
 @torch.inference_mode()
@@ -83,7 +104,8 @@ def _determine_available_memory(self: Worker) -> int:
     """Bytes the KV cache may use on this worker's device. Raises ValueError if nothing is left on CUDA.
     Source: vLLM v1/worker/gpu_worker.py `determine_available_memory`."""
     cc = self.cache_config
-    if self.device.type == "cpu": return cc.cpu_kv_cache_bytes()
+    if self.device.type == "cpu":
+        return cc.cpu_kv_cache_bytes()
     if cc.kv_cache_memory_bytes is not None:
         self.model_runner.profile_run()
         return cc.kv_cache_memory_bytes
@@ -96,28 +118,41 @@ def _determine_available_memory(self: Worker) -> int:
     non_torch = max(0, (self.init_free_memory - free) - torch.cuda.memory_reserved(self.device))
     budget = min(total * cc.gpu_memory_utilization, self.init_free_memory)
     available = int(budget - peak - non_torch)
-    logger.info("memory profile: total %.2f GiB, budget %.2f GiB, peak torch %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB",
-                total / 2**30, budget / 2**30, peak / 2**30, non_torch / 2**30, available / 2**30)
+    logger.info(
+        "memory profile: total %.2f GiB, budget %.2f GiB, peak torch %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB",
+        total / 2**30,
+        budget / 2**30,
+        peak / 2**30,
+        non_torch / 2**30,
+        available / 2**30,
+    )
     if available <= 0:
-        raise ValueError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB, model and activations "
-                         f"{(peak + non_torch) / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_num_batched_tokens")
+        raise ValueError(
+            f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB, model and activations "
+            f"{(peak + non_torch) / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
     torch.cuda.empty_cache()
     return available
 
+
 def _initialize_from_config(self: Worker, kv_cache_config: KVCacheConfig | list[KVCacheConfig]) -> None:
     "Allocate and bind the KV cache (a list is indexed by this worker's rank, as the executor sends one per worker)."
-    if isinstance(kv_cache_config, (list, tuple)): kv_cache_config = kv_cache_config[self.rank]
+    if isinstance(kv_cache_config, (list, tuple)):
+        kv_cache_config = kv_cache_config[self.rank]
     self.model_runner.initialize_kv_cache(kv_cache_config)
+
 
 def _initialize_cache(self: Worker, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
     "Record the block count the engine chose (informational)."
     self.cache_config.num_gpu_blocks = num_gpu_blocks
+
 
 def _compile_or_warm_up_model(self: Worker) -> None:
     "Run a small dummy step so kernels and allocators are warm, capture CUDA graphs, then re-seed so warm-up leaves no trace."
     self.model_runner._dummy_run(min(16, self.model_runner.max_num_tokens))
     self.model_runner.capture_model()  # CUDA graphs, when the compilation config asks and the device is CUDA
     set_random_seed(self.model_config.seed)
+
 
 Worker.determine_available_memory = _determine_available_memory
 Worker.initialize_from_config, Worker.initialize_cache = _initialize_from_config, _initialize_cache
@@ -128,12 +163,19 @@ def _execute_model(self: Worker, scheduler_output: SchedulerOutput) -> ModelRunn
     "Phase 1 of a step (returns None, or an empty output when nothing is scheduled)."
     return self.model_runner.execute_model(scheduler_output)
 
+
 def _sample_tokens(self: Worker, grammar_output: Any = None) -> ModelRunnerOutput:
     "Phase 2 of a step."
     return self.model_runner.sample_tokens(grammar_output)
 
-def _execute_dummy_batch(self: Worker) -> None: self.model_runner._dummy_run(1)
-def _check_health(self: Worker) -> None: return None
+
+def _execute_dummy_batch(self: Worker) -> None:
+    self.model_runner._dummy_run(1)
+
+
+def _check_health(self: Worker) -> None:
+    return None
+
 
 def _shutdown(self: Worker) -> None:
     "Drop the model and the KV cache so their memory can be reused."
@@ -141,7 +183,13 @@ def _shutdown(self: Worker) -> None:
         self.model_runner.kv_caches = []
         self.model_runner.model = None
     self.model_runner = None
-    if self.device is not None and self.device.type == "cuda": torch.cuda.empty_cache()
+    if self.device is not None and self.device.type == "cuda":
+        torch.cuda.empty_cache()
+
 
 Worker.execute_model, Worker.sample_tokens = _execute_model, _sample_tokens
-Worker.execute_dummy_batch, Worker.check_health, Worker.shutdown = _execute_dummy_batch, _check_health, _shutdown
+Worker.execute_dummy_batch, Worker.check_health, Worker.shutdown = (
+    _execute_dummy_batch,
+    _check_health,
+    _shutdown,
+)

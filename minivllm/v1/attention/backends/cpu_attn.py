@@ -11,7 +11,12 @@ from typing import Any
 import torch
 
 from kernels.cpu_attention import cpu_attention_available, unified_attention_cpu
-from .torch_ref import KernelAttentionImpl, TorchRefAttentionImpl, _attend, reshape_and_cache
+from minivllm.v1.attention.backends.torch_ref import (
+    KernelAttentionImpl,
+    TorchRefAttentionImpl,
+    _attend,
+    reshape_and_cache,
+)
 from .utils import CommonAttentionMetadata
 from ...kv_cache_interface import AttentionSpec
 
@@ -28,6 +33,7 @@ class CPUAttentionMetadata:
     fresh_prefills: [(query_start, query_end)] of prompts with no cached context that no sliding window cuts
     into; skip_reqs: (num_reqs,) uint8 marking those requests for the kernel (None when there are none).
     Source: vLLM v1/attention/backends/cpu_attn.py `CPUAttentionMetadata` (role)."""
+
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor
@@ -40,28 +46,44 @@ class CPUAttentionMetadata:
     fresh_prefills: list[tuple[int, int]] = field(default_factory=list)
     skip_reqs: torch.Tensor | None = None
 
+
 class CPUAttentionMetadataBuilder:
     """Repackages `CommonAttentionMetadata` as `CPUAttentionMetadata` for `layer_names` (any request order:
     `reorder_batch_threshold = None`). Raises `NotImplementedError` for non-causal attention.
     Source: vLLM v1/attention/backends/cpu_attn.py `CPUAttentionMetadataBuilder` (role)."""
+
     reorder_batch_threshold: int | None = None
 
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device):
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device
+    ):
         self.kv_cache_spec, self.layer_names, self.vllm_config = kv_cache_spec, list(layer_names), vllm_config
         self.device = torch.device(device)
         self.sliding_window = getattr(kv_cache_spec, "sliding_window", None) or None
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> CPUAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> CPUAttentionMetadata:
         cm = common_attn_metadata
-        if not cm.causal: raise NotImplementedError("the CPU attention kernel implements causal (decoder) attention only")
-        md = CPUAttentionMetadata(cm.num_actual_tokens, cm.max_query_len, cm.query_start_loc_cpu, cm.max_seq_len,
-                                  cm.seq_lens_cpu, cm.block_table_tensor, cm.slot_mapping, cm.causal, self.sliding_window)
+        if not cm.causal:
+            raise NotImplementedError("the CPU attention kernel implements causal (decoder) attention only")
+        md = CPUAttentionMetadata(
+            cm.num_actual_tokens,
+            cm.max_query_len,
+            cm.query_start_loc_cpu,
+            cm.max_seq_len,
+            cm.seq_lens_cpu,
+            cm.block_table_tensor,
+            cm.slot_mapping,
+            cm.causal,
+            self.sliding_window,
+        )
         if cm.max_query_len > 1:
-            qsl = cm.query_start_loc_cpu[:cm.num_reqs + 1]
-            q_lens, seq_lens = qsl[1:] - qsl[:-1], cm.seq_lens_cpu[:cm.num_reqs]
+            qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1]
+            q_lens, seq_lens = qsl[1:] - qsl[:-1], cm.seq_lens_cpu[: cm.num_reqs]
             fresh = (q_lens > 1) & (q_lens == seq_lens)
-            if self.sliding_window: fresh &= q_lens <= self.sliding_window
+            if self.sliding_window:
+                fresh &= q_lens <= self.sliding_window
             if bool(fresh.any()):
                 starts = qsl[:-1][fresh].tolist()
                 md.fresh_prefills = list(zip(starts, (qsl[1:][fresh]).tolist()))
@@ -75,41 +97,80 @@ class CPUAttentionImpl(KernelAttentionImpl):
     `TorchRefAttentionImpl`; checks and the profiling run come from `KernelAttentionImpl`. Raises `ValueError` for
     ALiBi, non-decoder attention, or a sliding window that differs from the metadata's; `RuntimeError` if no KV
     cache is bound. Source: vLLM v1/attention/backends/cpu_attn.py `CPUAttentionBackendImpl` (role)."""
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               attn_metadata: CPUAttentionMetadata, output: torch.Tensor) -> None:
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
         md, Hq, Hkv, D, T = attn_metadata, self.num_heads, self.num_kv_heads, self.head_size, query.shape[0]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key.view(T, Hkv, D), value.view(T, Hkv, D), key_cache, value_cache, md.slot_mapping[:T])
+        reshape_and_cache(
+            key.view(T, Hkv, D), value.view(T, Hkv, D), key_cache, value_cache, md.slot_mapping[:T]
+        )
         # SDPA has no soft-cap: with one, the kernel attends the fresh prompts too.
         split = md.skip_reqs is not None and not self.logits_soft_cap
         # query may be a row-strided slice of the fused qkv output: the kernel takes the row stride as given.
-        unified_attention_cpu(query.view(T, Hq, D), key_cache, value_cache, output.view(T, Hq, D), md.query_start_loc,
-                              md.seq_lens, md.block_table, self.scale, md.max_query_len, self.sliding_window,
-                              self.logits_soft_cap, skip_reqs=md.skip_reqs if split else None)
+        unified_attention_cpu(
+            query.view(T, Hq, D),
+            key_cache,
+            value_cache,
+            output.view(T, Hq, D),
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_table,
+            self.scale,
+            md.max_query_len,
+            self.sliding_window,
+            self.logits_soft_cap,
+            skip_reqs=md.skip_reqs if split else None,
+        )
         if split:
             out = output.view(T, Hq, D)
-            for s, e in md.fresh_prefills:  # causal attention over the prompt's own new K/V, as the reference does
-                q_, k_, v_ = (x[s:e].view(e - s, H, D).transpose(0, 1)[None] for x, H in ((query, Hq), (key, Hkv), (value, Hkv)))
+            for (
+                s,
+                e,
+            ) in md.fresh_prefills:  # causal attention over the prompt's own new K/V, as the reference does
+                q_, k_, v_ = (
+                    x[s:e].view(e - s, H, D).transpose(0, 1)[None]
+                    for x, H in ((query, Hq), (key, Hkv), (value, Hkv))
+                )
                 out[s:e] = _attend(q_, k_, v_, None, self.scale, None)[0].transpose(0, 1).to(out.dtype)
 
 # %% ../../../../nbs/33b_cpu_attention_backend.ipynb #b6d4bb8b
 class CPUAttentionBackend:
     """Paged attention on the CPU with the C kernel of `kernels/cpu_attention` (minivllm's default CPU backend
     where a C compiler exists). Source: vLLM v1/attention/backends/cpu_attn.py `CPUAttentionBackend`."""
+
     accept_output_buffer: bool = True
 
     @staticmethod
-    def get_name() -> str: return "CPU_ATTN"
+    def get_name() -> str:
+        return "CPU_ATTN"
+
     @staticmethod
-    def is_available() -> bool: return cpu_attention_available()
+    def is_available() -> bool:
+        return cpu_attention_available()
+
     @staticmethod
-    def get_impl_cls() -> type[CPUAttentionImpl]: return CPUAttentionImpl
+    def get_impl_cls() -> type[CPUAttentionImpl]:
+        return CPUAttentionImpl
+
     @staticmethod
-    def get_metadata_cls() -> type[CPUAttentionMetadata]: return CPUAttentionMetadata
+    def get_metadata_cls() -> type[CPUAttentionMetadata]:
+        return CPUAttentionMetadata
+
     @staticmethod
-    def get_builder_cls() -> type[CPUAttentionMetadataBuilder]: return CPUAttentionMetadataBuilder
+    def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
+        return CPUAttentionMetadataBuilder
+
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
         "(2, num_blocks, block_size, num_kv_heads, head_size): the reference's layout, K at [0], V at [1]."
         return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -19,8 +19,13 @@ __all__ = ['reshape_and_cache', 'TorchRefPrefill', 'TorchRefAttentionMetadata', 
            'TorchRefAttentionImpl', 'KernelAttentionImpl', 'TorchRefAttentionBackend']
 
 # %% ../../../../nbs/33_torch_attention_backend.ipynb #9818501d
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write key/value rows into the paged cache, in place.
 
     key, value: (num_tokens, num_kv_heads, head_size); key_cache, value_cache: (num_blocks, block_size,
@@ -39,10 +44,12 @@ class TorchRefPrefill:
 
     kv_slots: (kv_len,) int64 flat cache slots of its keys, or None = use the request's own new K/V;
     mask: (query_len, kv_len) bool (True = attend), or None = causal over its own K/V."""
+
     query_start: int
     query_end: int
     kv_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
 
 @dataclass
 class TorchRefAttentionMetadata:
@@ -53,6 +60,7 @@ class TorchRefAttentionMetadata:
     (num_decodes, max_decode_kv_len) int64; decode_mask: (num_decodes, 1, 1, max_decode_kv_len) bool — and the
     prefill part, one `TorchRefPrefill` per request with more than one query token.
     Source: vLLM v1/attention/backends/flash_attn.py `FlashAttentionMetadata` (role)."""
+
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor
@@ -79,9 +87,12 @@ class TorchRefAttentionMetadataBuilder:
     (`reorder_batch_threshold = None`: no decode-first reordering needed); `common_prefix_len` is ignored (no
     cascade attention). Source: vLLM
     v1/attention/backends/flash_attn.py `FlashAttentionMetadataBuilder` (role)."""
+
     reorder_batch_threshold: int | None = None
 
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device):
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device
+    ):
         self.kv_cache_spec, self.layer_names, self.vllm_config = kv_cache_spec, list(layer_names), vllm_config
         self.device = torch.device(device)
         self.block_size = kv_cache_spec.block_size
@@ -92,22 +103,37 @@ class TorchRefAttentionMetadataBuilder:
         blocks = torch.gather(block_table_rows.long(), -1, positions // self.block_size)
         return blocks * self.block_size + positions % self.block_size
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TorchRefAttentionMetadata:
-        cm, window, dev = common_attn_metadata, self.sliding_window, common_attn_metadata.block_table_tensor.device
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> TorchRefAttentionMetadata:
+        cm, window, dev = (
+            common_attn_metadata,
+            self.sliding_window,
+            common_attn_metadata.block_table_tensor.device,
+        )
         qsl, seq_lens = cm.query_start_loc_cpu.tolist(), cm.seq_lens_cpu.tolist()
         query_lens = [qsl[i + 1] - qsl[i] for i in range(cm.num_reqs)]
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
         prefill_reqs = [i for i, q in enumerate(query_lens) if q > 1]
         md = TorchRefAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
-            max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping, causal=cm.causal, sliding_window=window,
-            num_decodes=len(decodes), num_decode_tokens=len(decodes), num_prefills=len(prefill_reqs),
-            num_prefill_tokens=sum(query_lens[i] for i in prefill_reqs))
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            query_start_loc=cm.query_start_loc,
+            max_seq_len=cm.max_seq_len,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=cm.causal,
+            sliding_window=window,
+            num_decodes=len(decodes),
+            num_decode_tokens=len(decodes),
+            num_prefills=len(prefill_reqs),
+            num_prefill_tokens=sum(query_lens[i] for i in prefill_reqs),
+        )
         if decodes:
             kv_len = max(seq_lens[i] for i in decodes)
-            if window: kv_len = min(kv_len, window)
+            if window:
+                kv_len = min(kv_len, window)
             req = torch.tensor(decodes, device=dev)
             seq = torch.tensor([seq_lens[i] for i in decodes], device=dev)
             # Gather the last kv_len positions of each request; rows shorter than kv_len are padded and masked.
@@ -124,23 +150,39 @@ class TorchRefAttentionMetadataBuilder:
                 continue
             k_pos = torch.arange(max(0, ctx - window + 1) if window else 0, s, device=dev)
             q_pos = torch.arange(ctx, s, device=dev)[:, None]
-            mask = (k_pos[None] <= q_pos) if cm.causal else torch.ones(q_len, len(k_pos), dtype=torch.bool, device=dev)
-            if window: mask &= k_pos[None] > q_pos - window
-            md.prefills.append(TorchRefPrefill(qsl[i], qsl[i + 1], self._slots(cm.block_table_tensor[i], k_pos), mask))
+            mask = (
+                (k_pos[None] <= q_pos)
+                if cm.causal
+                else torch.ones(q_len, len(k_pos), dtype=torch.bool, device=dev)
+            )
+            if window:
+                mask &= k_pos[None] > q_pos - window
+            md.prefills.append(
+                TorchRefPrefill(qsl[i], qsl[i + 1], self._slots(cm.block_table_tensor[i], k_pos), mask)
+            )
         return md
 
 # %% ../../../../nbs/33_torch_attention_backend.ipynb #8fed9a4a
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            soft_cap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
     """q: (B, Hq, Lq, D); k, v: (B, Hkv, Lk, D); mask broadcastable to (B, Hq, Lq, Lk) bool or None = causal
     (top-left aligned, Lq == Lk). Returns (B, Hq, Lq, D) in q's dtype."""
     if soft_cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
     s = q.float() @ k.transpose(-1, -2) * scale
     s = soft_cap * torch.tanh(s / soft_cap)
-    if mask is None: mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
 
 # %% ../../../../nbs/33_torch_attention_backend.ipynb #132c88f5
@@ -152,15 +194,33 @@ class TorchRefAttentionImpl:
     `num_actual_tokens` rows are computed (the rest are padding). attn_metadata None = profiling/dummy run: plain
     causal attention over the T tokens as one sequence, cache untouched. Raises `ValueError` for ALiBi, non-decoder
     attention, or a sliding window that differs from the metadata's. Source: vLLM flash_attn.py `FlashAttentionImpl` (role)."""
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
-                 logits_soft_cap: float | None = None, attn_type: str = "decoder", kv_sharing_target_layer_name: str | None = None):
-        if alibi_slopes is not None: raise ValueError("TorchRef attention does not support ALiBi")
-        if attn_type != "decoder": raise ValueError(f"TorchRef attention supports decoder attention only; got {attn_type!r}")
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
+        kv_sharing_target_layer_name: str | None = None,
+    ):
+        if alibi_slopes is not None:
+            raise ValueError("TorchRef attention does not support ALiBi")
+        if attn_type != "decoder":
+            raise ValueError(f"TorchRef attention supports decoder attention only; got {attn_type!r}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
-        if self.num_heads % self.num_kv_heads: raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        self.sliding_window, self.logits_soft_cap, self.kv_cache_dtype = sliding_window, logits_soft_cap, kv_cache_dtype
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        self.sliding_window, self.logits_soft_cap, self.kv_cache_dtype = (
+            sliding_window,
+            logits_soft_cap,
+            kv_cache_dtype,
+        )
 
     def _dummy(self, q, k, v):
         "Causal attention over all T tokens as one sequence (profile run)."
@@ -168,13 +228,28 @@ class TorchRefAttentionImpl:
         if self.sliding_window:
             pos = torch.arange(q.shape[0], device=q.device)
             mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - self.sliding_window)
-        return _attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask,
-                       self.scale, self.logits_soft_cap)[0].transpose(0, 1)
+        return _attend(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            mask,
+            self.scale,
+            self.logits_soft_cap,
+        )[0].transpose(0, 1)
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: TorchRefAttentionMetadata | None, output: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchRefAttentionMetadata | None,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_size
-        if output is None: output = torch.zeros(query.shape[0], Hq * D, dtype=query.dtype, device=query.device)
+        if output is None:
+            output = torch.zeros(query.shape[0], Hq * D, dtype=query.dtype, device=query.device)
         out = output.view(-1, Hq, D)
         if attn_metadata is None:
             T = query.shape[0]
@@ -182,14 +257,20 @@ class TorchRefAttentionImpl:
             return output
         md = attn_metadata
         if (md.sliding_window or None) != (self.sliding_window or None):
-            raise ValueError(f"layer sliding_window={self.sliding_window} but metadata was built for {md.sliding_window}; "
-                             "the KV cache group's spec must come from this layer's get_kv_cache_spec()")
+            raise ValueError(
+                f"layer sliding_window={self.sliding_window} but metadata was built for {md.sliding_window}; "
+                "the KV cache group's spec must come from this layer's get_kv_cache_spec()"
+            )
         if kv_cache.numel() == 0:
-            raise RuntimeError("attention layer has no KV cache bound; the model runner must set layer.kv_cache first")
+            raise RuntimeError(
+                "attention layer has no KV cache bound; the model runner must set layer.kv_cache first"
+            )
         n, T = md.num_actual_tokens, query.shape[0]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         # All T rows go in: padding rows carry slot -1 and are skipped by reshape_and_cache.
-        reshape_and_cache(key.view(T, Hkv, D), value.view(T, Hkv, D), key_cache, value_cache, md.slot_mapping[:T])
+        reshape_and_cache(
+            key.view(T, Hkv, D), value.view(T, Hkv, D), key_cache, value_cache, md.slot_mapping[:T]
+        )
         q, k, v = query[:n].view(n, Hq, D), key[:n].view(n, Hkv, D), value[:n].view(n, Hkv, D)
         flat_kv = kv_cache.view(2, -1, Hkv, D)  # (2, num_blocks * block_size, Hkv, D)
         flat_k, flat_v = flat_kv[0], flat_kv[1]
@@ -201,13 +282,24 @@ class TorchRefAttentionImpl:
             dk, dv = dkv[0].transpose(1, 2), dkv[1].transpose(1, 2)  # (num_decodes, Hkv, kv_len, D)
             dq = q.index_select(0, idx)[:, :, None].to(dk.dtype)  # (num_decodes, Hq, 1, D)
             o = _attend(dq, dk, dv, md.decode_mask, self.scale, self.logits_soft_cap)[:, :, 0]
-            out.index_copy_(0, idx, o.to(out.dtype))  # index_copy_, not out[idx] = ...: index_put is slow on CPU
+            out.index_copy_(
+                0, idx, o.to(out.dtype)
+            )  # index_copy_, not out[idx] = ...: index_put is slow on CPU
         for p in md.prefills:
             s, e = p.query_start, p.query_end
-            if p.kv_slots is None: pk, pv = k[s:e], v[s:e]
-            else: pk, pv = flat_k.index_select(0, p.kv_slots), flat_v.index_select(0, p.kv_slots)
+            if p.kv_slots is None:
+                pk, pv = k[s:e], v[s:e]
+            else:
+                pk, pv = flat_k.index_select(0, p.kv_slots), flat_v.index_select(0, p.kv_slots)
             pq = q[s:e].transpose(0, 1)[None].to(pk.dtype)
-            o = _attend(pq, pk.transpose(0, 1)[None], pv.transpose(0, 1)[None], p.mask, self.scale, self.logits_soft_cap)
+            o = _attend(
+                pq,
+                pk.transpose(0, 1)[None],
+                pv.transpose(0, 1)[None],
+                p.mask,
+                self.scale,
+                self.logits_soft_cap,
+            )
             out[s:e] = o[0].transpose(0, 1).to(out.dtype)
         return output
 
@@ -219,29 +311,76 @@ class KernelAttentionImpl:
     needed and calls `attend`, which subclasses implement. Raises `ValueError` for ALiBi, non-decoder attention,
     or a sliding window that differs from the metadata's; `RuntimeError` if no KV cache is bound.
     Source: vLLM v1/attention/backends/*.py `AttentionImpl` (interface)."""
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
-                 logits_soft_cap: float | None = None, attn_type: str = "decoder", kv_sharing_target_layer_name: str | None = None):
-        self._ref = TorchRefAttentionImpl(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name)
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
+        kv_sharing_target_layer_name: str | None = None,
+    ):
+        self._ref = TorchRefAttentionImpl(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+        )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = self._ref.num_kv_heads
-        self.sliding_window, self.logits_soft_cap, self.kv_cache_dtype = sliding_window, logits_soft_cap, kv_cache_dtype
+        self.sliding_window, self.logits_soft_cap, self.kv_cache_dtype = (
+            sliding_window,
+            logits_soft_cap,
+            kv_cache_dtype,
+        )
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: Any, output: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_metadata is None: return self._ref.forward(layer, query, key, value, kv_cache, None, output)
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attn_metadata is None:
+            return self._ref.forward(layer, query, key, value, kv_cache, None, output)
         if (attn_metadata.sliding_window or None) != (self.sliding_window or None):
-            raise ValueError(f"layer sliding_window={self.sliding_window} but metadata was built for {attn_metadata.sliding_window}")
+            raise ValueError(
+                f"layer sliding_window={self.sliding_window} but metadata was built for {attn_metadata.sliding_window}"
+            )
         if kv_cache.numel() == 0:
-            raise RuntimeError("attention layer has no KV cache bound; the model runner must set layer.kv_cache first")
+            raise RuntimeError(
+                "attention layer has no KV cache bound; the model runner must set layer.kv_cache first"
+            )
         if output is None:
-            output = torch.zeros(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device)
+            output = torch.zeros(
+                query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device
+            )
         self.attend(query, key, value, kv_cache, attn_metadata, output)
         return output
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               attn_metadata: Any, output: torch.Tensor) -> None:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+    ) -> None:
         "Write the step's K/V into `kv_cache` and the attention of the real tokens into `output` (T, Hq*D)."
         raise NotImplementedError
 
@@ -249,18 +388,28 @@ class KernelAttentionImpl:
 class TorchRefAttentionBackend:
     """Plain-PyTorch paged attention (CPU backend and kernel reference). Source: vLLM attention/backends/abstract.py
     `AttentionBackend` (interface)."""
+
     accept_output_buffer: bool = True
 
     @staticmethod
-    def get_name() -> str: return "TORCH_REF"
+    def get_name() -> str:
+        return "TORCH_REF"
+
     @staticmethod
-    def get_impl_cls() -> type[TorchRefAttentionImpl]: return TorchRefAttentionImpl
+    def get_impl_cls() -> type[TorchRefAttentionImpl]:
+        return TorchRefAttentionImpl
+
     @staticmethod
-    def get_metadata_cls() -> type[TorchRefAttentionMetadata]: return TorchRefAttentionMetadata
+    def get_metadata_cls() -> type[TorchRefAttentionMetadata]:
+        return TorchRefAttentionMetadata
+
     @staticmethod
-    def get_builder_cls() -> type[TorchRefAttentionMetadataBuilder]: return TorchRefAttentionMetadataBuilder
+    def get_builder_cls() -> type[TorchRefAttentionMetadataBuilder]:
+        return TorchRefAttentionMetadataBuilder
+
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
         "(2, num_blocks, block_size, num_kv_heads, head_size): K at [0], V at [1]."
         return (2, num_blocks, block_size, num_kv_heads, head_size)

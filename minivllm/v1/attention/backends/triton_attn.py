@@ -31,6 +31,7 @@ class TritonAttentionMetadata:
     query_start_loc: (num_reqs + 1,) int32; seq_lens: (num_reqs,) int32; block_table: (num_reqs, max_blocks)
     int32; slot_mapping: (num_tokens,) int64, -1 = padding; max_query_len / max_seq_len: host ints.
     Source: vLLM v1/attention/backends/triton_attn.py `TritonAttentionMetadata`."""
+
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor
@@ -41,25 +42,40 @@ class TritonAttentionMetadata:
     causal: bool = True
     sliding_window: int | None = None
 
+
 class TritonAttentionMetadataBuilder:
     """Repackages `CommonAttentionMetadata` as `TritonAttentionMetadata` for `layer_names` (any request order:
     `reorder_batch_threshold = None`). `cudagraph_support`: the metadata is views of the runner's buffers and
     the kernels' grids depend only on shapes, so a full CUDA graph can capture the step (vLLM: an
     `AttentionCGSupport` level). Source: vLLM triton_attn.py `TritonAttentionMetadataBuilder`."""
+
     reorder_batch_threshold: int | None = None
     cudagraph_support: bool = True
 
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device):
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any, device: torch.device
+    ):
         self.kv_cache_spec, self.layer_names, self.vllm_config = kv_cache_spec, list(layer_names), vllm_config
         self.device = torch.device(device)
         self.sliding_window = getattr(kv_cache_spec, "sliding_window", None) or None
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TritonAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> TritonAttentionMetadata:
         cm = common_attn_metadata
-        if not cm.causal: raise NotImplementedError("the Triton backend implements causal (decoder) attention only")
-        return TritonAttentionMetadata(cm.num_actual_tokens, cm.max_query_len, cm.query_start_loc, cm.max_seq_len,
-                                       cm.seq_lens, cm.block_table_tensor, cm.slot_mapping, cm.causal, self.sliding_window)
+        if not cm.causal:
+            raise NotImplementedError("the Triton backend implements causal (decoder) attention only")
+        return TritonAttentionMetadata(
+            cm.num_actual_tokens,
+            cm.max_query_len,
+            cm.query_start_loc,
+            cm.max_seq_len,
+            cm.seq_lens,
+            cm.block_table_tensor,
+            cm.slot_mapping,
+            cm.causal,
+            self.sliding_window,
+        )
 
 # %% ../../../../nbs/33a_triton_attention_backend.ipynb #e73daf93
 class TritonAttentionImpl(KernelAttentionImpl):
@@ -68,30 +84,60 @@ class TritonAttentionImpl(KernelAttentionImpl):
     `TorchRefAttentionImpl`; checks and the profiling run come from `KernelAttentionImpl`. Raises `ValueError` for
     ALiBi, non-decoder attention, or a sliding window that differs from the metadata's. Source: vLLM
     v1/attention/backends/triton_attn.py `TritonAttentionImpl`."""
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               attn_metadata: TritonAttentionMetadata, output: torch.Tensor) -> None:
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
         md, Hq, Hkv, D, T = attn_metadata, self.num_heads, self.num_kv_heads, self.head_size, query.shape[0]
-        reshape_and_cache(key.view(T, Hkv, D), value.view(T, Hkv, D), kv_cache[0], kv_cache[1], md.slot_mapping[:T])
-        unified_attention(query.view(T, Hq, D), kv_cache[0], kv_cache[1], output.view(T, Hq, D), md.query_start_loc,
-                          md.seq_lens, md.block_table, self.scale, md.max_query_len, self.sliding_window,
-                          self.logits_soft_cap)
+        reshape_and_cache(
+            key.view(T, Hkv, D), value.view(T, Hkv, D), kv_cache[0], kv_cache[1], md.slot_mapping[:T]
+        )
+        unified_attention(
+            query.view(T, Hq, D),
+            kv_cache[0],
+            kv_cache[1],
+            output.view(T, Hq, D),
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_table,
+            self.scale,
+            md.max_query_len,
+            self.sliding_window,
+            self.logits_soft_cap,
+        )
 
 # %% ../../../../nbs/33a_triton_attention_backend.ipynb #48134dd6
 class TritonAttentionBackend:
     """Paged attention with the Triton kernels of `kernels/` (minivllm's CUDA backend).
     Source: vLLM v1/attention/backends/triton_attn.py `TritonAttentionBackend`."""
+
     accept_output_buffer: bool = True
 
     @staticmethod
-    def get_name() -> str: return "TRITON_ATTN"
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
     @staticmethod
-    def get_impl_cls() -> type[TritonAttentionImpl]: return TritonAttentionImpl
+    def get_impl_cls() -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
     @staticmethod
-    def get_metadata_cls() -> type[TritonAttentionMetadata]: return TritonAttentionMetadata
+    def get_metadata_cls() -> type[TritonAttentionMetadata]:
+        return TritonAttentionMetadata
+
     @staticmethod
-    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]: return TritonAttentionMetadataBuilder
+    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
         "(2, num_blocks, block_size, num_kv_heads, head_size): the reference's layout, K at [0], V at [1]."
         return (2, num_blocks, block_size, num_kv_heads, head_size)

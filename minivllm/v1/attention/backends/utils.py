@@ -24,6 +24,7 @@ class CommonAttentionMetadata:
     block_table_tensor: (num_reqs, max_num_blocks_per_req) int32 device, kernel block ids;
     slot_mapping: (num_actual_tokens,) int64 device, slot = block * block_size + offset, -1 = padding.
     Source: vLLM v1/attention/backends/utils.py `CommonAttentionMetadata`."""
+
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor
     seq_lens: torch.Tensor

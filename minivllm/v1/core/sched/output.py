@@ -20,6 +20,7 @@ class NewRequestData:
 
     `block_ids`: one list of block ids per KV cache group. `num_computed_tokens` includes the prefix-cache hit.
     Source: vLLM v1/core/sched/output.py `NewRequestData`."""
+
     req_id: str
     prompt_token_ids: list[int]
     mm_features: list
@@ -31,8 +32,17 @@ class NewRequestData:
 
     @classmethod
     def from_request(cls, request, block_ids: tuple[list[int], ...]) -> "NewRequestData":
-        return cls(request.request_id, request.prompt_token_ids, request.mm_features, request.sampling_params,
-                   request.pooling_params, block_ids, request.num_computed_tokens, request.lora_request)
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.mm_features,
+            request.sampling_params,
+            request.pooling_params,
+            block_ids,
+            request.num_computed_tokens,
+            request.lora_request,
+        )
+
 
 @dataclass
 class CachedRequestData:
@@ -42,6 +52,7 @@ class CachedRequestData:
     `resumed_req_ids` they *replace* its block table. `new_token_ids[i]`: tokens the runner has not seen
     (only needed with pipeline parallelism / resumed requests). `all_token_ids`: full token list of resumed
     requests. Source: vLLM v1/core/sched/output.py `CachedRequestData`."""
+
     req_ids: list[str] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
     new_token_ids: list[list[int]] = field(default_factory=list)
@@ -51,16 +62,20 @@ class CachedRequestData:
     num_output_tokens: list[int] = field(default_factory=list)
 
     @property
-    def num_reqs(self) -> int: return len(self.req_ids)
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
     @classmethod
-    def make_empty(cls) -> "CachedRequestData": return cls()
+    def make_empty(cls) -> "CachedRequestData":
+        return cls()
+
 
 @dataclass
 class SchedulerOutput:
     """What to compute in one step. `num_scheduled_tokens[req_id]`: tokens to run for that request;
     `total_num_scheduled_tokens` is their sum. `num_common_prefix_blocks[g]`: blocks shared by all running
     requests in group g (for cascade attention). Source: vLLM v1/core/sched/output.py:184 `SchedulerOutput`."""
+
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]

@@ -19,11 +19,14 @@ __all__ = ['SchedulingPolicy', 'RequestQueue', 'FCFSRequestQueue', 'PriorityRequ
 # %% ../../../../nbs/20_request_queue.ipynb #5698fcff
 class SchedulingPolicy(Enum):
     "Order of the waiting queue. Source: vLLM v1/core/sched/request_queue.py `SchedulingPolicy`."
+
     FCFS = "fcfs"
     PRIORITY = "priority"
 
+
 class RequestQueue(ABC):
     "What the scheduler needs from its waiting queue. Source: vLLM v1/core/sched/request_queue.py `RequestQueue`."
+
     @abstractmethod
     def add_request(self, request: Request) -> None: ...
     @abstractmethod
@@ -49,45 +52,84 @@ class RequestQueue(ABC):
 class FCFSRequestQueue(deque, RequestQueue):
     """Arrival order. `pop_request`/`peek_request` raise IndexError when empty.
     Source: vLLM v1/core/sched/request_queue.py `FCFSRequestQueue`."""
-    def add_request(self, request: Request) -> None: self.append(request)
-    def pop_request(self) -> Request: return self.popleft()
+
+    def add_request(self, request: Request) -> None:
+        self.append(request)
+
+    def pop_request(self) -> Request:
+        return self.popleft()
+
     def peek_request(self) -> Request:
-        if not self: raise IndexError("peek from an empty queue")
+        if not self:
+            raise IndexError("peek from an empty queue")
         return self[0]
-    def prepend_request(self, request: Request) -> None: self.appendleft(request)
-    def prepend_requests(self, requests: RequestQueue) -> None: self.extendleft(reversed(list(requests)))
-    def remove_request(self, request: Request) -> None: self.remove(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self.appendleft(request)
+
+    def prepend_requests(self, requests: RequestQueue) -> None:
+        self.extendleft(reversed(list(requests)))
+
+    def remove_request(self, request: Request) -> None:
+        self.remove(request)
+
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = set(id(r) for r in requests)
         kept = [r for r in self if id(r) not in drop]
-        self.clear(); self.extend(kept)
-    def __bool__(self) -> bool: return len(self) > 0
-    def __len__(self) -> int: return deque.__len__(self)
-    def __iter__(self) -> Iterator[Request]: return deque.__iter__(self)
+        self.clear()
+        self.extend(kept)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __len__(self) -> int:
+        return deque.__len__(self)
+
+    def __iter__(self) -> Iterator[Request]:
+        return deque.__iter__(self)
 
 # %% ../../../../nbs/20_request_queue.ipynb #4e70819f
 class PriorityRequestQueue(RequestQueue):
     """Lowest `priority` first, then earliest `arrival_time`. Removal is O(n) (rebuild the heap), which is
     fine for aborts. Source: vLLM v1/core/sched/request_queue.py `PriorityRequestQueue`."""
-    def __init__(self) -> None: self._heap: list[tuple[int, float, Request]] = []
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, Request]] = []
+
     def add_request(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.priority, request.arrival_time, request))
+
     def pop_request(self) -> Request:
-        if not self._heap: raise IndexError("pop from an empty queue")
+        if not self._heap:
+            raise IndexError("pop from an empty queue")
         return heapq.heappop(self._heap)[2]
+
     def peek_request(self) -> Request:
-        if not self._heap: raise IndexError("peek from an empty queue")
+        if not self._heap:
+            raise IndexError("peek from an empty queue")
         return self._heap[0][2]
-    def prepend_request(self, request: Request) -> None: self.add_request(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
     def prepend_requests(self, requests: RequestQueue) -> None:
-        for r in requests: self.add_request(r)
-    def remove_request(self, request: Request) -> None: self.remove_requests([request])
+        for r in requests:
+            self.add_request(r)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests([request])
+
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = set(id(r) for r in requests)
         self._heap = [e for e in self._heap if id(e[2]) not in drop]
         heapq.heapify(self._heap)
-    def __bool__(self) -> bool: return bool(self._heap)
-    def __len__(self) -> int: return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
     def __iter__(self) -> Iterator[Request]:
         "Requests in priority order (a sorted copy; the heap is untouched)."
         return iter([e[2] for e in sorted(self._heap)])
@@ -97,6 +139,8 @@ def create_request_queue(policy: SchedulingPolicy | str) -> RequestQueue:
     """An empty waiting queue for `policy` ("fcfs" or "priority"). Raises ValueError otherwise.
     Source: vLLM v1/core/sched/request_queue.py `create_request_queue`."""
     policy = SchedulingPolicy(policy) if isinstance(policy, str) else policy
-    if policy == SchedulingPolicy.PRIORITY: return PriorityRequestQueue()
-    if policy == SchedulingPolicy.FCFS: return FCFSRequestQueue()
+    if policy == SchedulingPolicy.PRIORITY:
+        return PriorityRequestQueue()
+    if policy == SchedulingPolicy.FCFS:
+        return FCFSRequestQueue()
     raise ValueError(f"Unknown scheduling policy: {policy}")

@@ -35,8 +35,16 @@ class Scheduler:
     limit from `model_config.max_model_len`. The KV pool is `kv_cache_config` (sized by the EngineCore).
     `include_finished_set` makes each step's outputs list the ids finished for that client.
     Source: vLLM v1/core/sched/scheduler.py `Scheduler`."""
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, structured_output_manager: Any = None,
-                 include_finished_set: bool = False, log_stats: bool = True, block_size: int | None = None):
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        structured_output_manager: Any = None,
+        include_finished_set: bool = False,
+        log_stats: bool = True,
+        block_size: int | None = None,
+    ):
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.scheduler_config, self.cache_config = vllm_config.scheduler_config, vllm_config.cache_config
         self.structured_output_manager, self.log_stats = structured_output_manager, log_stats
@@ -49,32 +57,46 @@ class Scheduler:
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        self.finished_req_ids_dict: dict[int, set[str]] | None = defaultdict(set) if include_finished_set else None
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None
+        )
         self.num_preemptions = 0  # total since start, reported in SchedulerStats
         self.finished_recving_kv_req_ids: set[str] = set()  # KV connectors: remote KV loaded
-        self._ignored_reqs: list[Request] = []  # finished in schedule(), reported by the next update_from_output
+        self._ignored_reqs: list[
+            Request
+        ] = []  # finished in schedule(), reported by the next update_from_output
         self.kv_cache_manager = KVCacheManager(
-            kv_cache_config, self.max_model_len, hash_block_size=self.block_size,
-            enable_caching=self.cache_config.enable_prefix_caching, log_stats=log_stats)
+            kv_cache_config,
+            self.max_model_len,
+            hash_block_size=self.block_size,
+            enable_caching=self.cache_config.enable_prefix_caching,
+            log_stats=log_stats,
+        )
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         "Queue a new request (status WAITING)."
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
-        if self.log_stats: request.record_event(EngineCoreEventType.QUEUED)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests from outside (aborts): unknown or already finished ids are ignored.
         Raises ValueError if `finished_status` is not a finished status."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status must be a finished status; got {finished_status}")
-        if isinstance(request_ids, str): request_ids = (request_ids,)
-        valid = [r for rid in request_ids if (r := self.requests.get(rid)) is not None and not r.is_finished()]
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        valid = [
+            r for rid in request_ids if (r := self.requests.get(rid)) is not None and not r.is_finished()
+        ]
         running = {id(r) for r in valid if r.status == RequestStatus.RUNNING}
-        if running: self.running = [r for r in self.running if id(r) not in running]
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
         waiting = [r for r in valid if r.status != RequestStatus.RUNNING]
-        if waiting: self.waiting.remove_requests(waiting)
+        if waiting:
+            self.waiting.remove_requests(waiting)
         for request in valid:
             request.status = finished_status
             self._free_request(request)
@@ -88,13 +110,26 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
-    def get_num_unfinished_requests(self) -> int: return len(self.waiting) + len(self.running)
-    def has_unfinished_requests(self) -> bool: return self.get_num_unfinished_requests() > 0
-    def has_finished_requests(self) -> bool: return len(self.finished_req_ids) > 0
-    def has_requests(self) -> bool: return self.has_unfinished_requests() or self.has_finished_requests()
-    def get_request_counts(self) -> tuple[int, int]: return len(self.running), len(self.waiting)
-    def reset_prefix_cache(self) -> bool: return self.kv_cache_manager.reset_prefix_cache()
-    def shutdown(self) -> None: pass
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        pass
 
     # ---- schedule ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -121,7 +156,8 @@ class Scheduler:
                 continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None: break
+                if new_blocks is not None:
+                    break
                 victim = self._pick_victim()
                 if victim in scheduled_running:  # priority policy can pick one already scheduled
                     scheduled_running.remove(victim)
@@ -130,8 +166,10 @@ class Scheduler:
                     req_index -= 1
                 self._preempt_request(victim, now)
                 preempted.append(victim)
-                if victim is request: break
-            if new_blocks is None: break  # the request preempted itself: nothing more fits
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself: nothing more fits
             scheduled_running.append(request)
             new_block_ids[request.request_id] = new_blocks.get_block_ids()
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -143,7 +181,10 @@ class Scheduler:
         if not preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
-                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._update_waiting_for_remote_kv(request):
+                if (
+                    request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    and not self._update_waiting_for_remote_kv(request)
+                ):
                     skipped.prepend_request(self.waiting.pop_request())  # its KV is still arriving
                     continue
                 resumed = request.status == RequestStatus.PREEMPTED
@@ -152,14 +193,20 @@ class Scheduler:
                 else:  # KV already loaded by a connector: those tokens are computed
                     computed_blocks, num_computed = None, request.num_computed_tokens
                 num_new_tokens = self._num_new_tokens(request, num_computed, token_budget)
-                if not self.scheduler_config.enable_chunked_prefill and \
-                        request.num_tokens - num_computed > token_budget:
+                if (
+                    not self.scheduler_config.enable_chunked_prefill
+                    and request.num_tokens - num_computed > token_budget
+                ):
                     break
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_new_computed_tokens=num_computed - request.num_computed_tokens,
-                    new_computed_blocks=computed_blocks)
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_computed - request.num_computed_tokens,
+                    new_computed_blocks=computed_blocks,
+                )
                 if new_blocks is None:
-                    if not self.running: self._ignore_request(self.waiting.pop_request())  # can never fit
+                    if not self.running:
+                        self._ignore_request(self.waiting.pop_request())  # can never fit
                     break
                 self.waiting.pop_request()
                 self.running.append(request)
@@ -169,9 +216,12 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed
-                if request.num_cached_tokens < 0: request.num_cached_tokens = num_computed
-                if self.log_stats: request.record_event(EngineCoreEventType.SCHEDULED, now)
-        if skipped: self.waiting.prepend_requests(skipped)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed
+                if self.log_stats:
+                    request.record_event(EngineCoreEventType.SCHEDULED, now)
+        if skipped:
+            self.waiting.prepend_requests(skipped)
 
         # 3. the SchedulerOutput
         total = sum(num_scheduled_tokens.values())
@@ -179,11 +229,16 @@ class Scheduler:
         num_groups = len(self.kv_cache_config.kv_cache_groups)
         num_common_prefix_blocks = [0] * num_groups
         if self.running:
-            num_common_prefix_blocks = list(self.kv_cache_manager.get_num_common_prefix_blocks(self.running[0].request_id))
+            num_common_prefix_blocks = list(
+                self.kv_cache_manager.get_num_common_prefix_blocks(self.running[0].request_id)
+            )
         scheduler_output = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(r, new_block_ids[r.request_id]) for r in scheduled_new],
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, new_block_ids[r.request_id]) for r in scheduled_new
+            ],
             scheduled_cached_reqs=self._make_cached_request_data(
-                scheduled_running, scheduled_resumed, num_scheduled_tokens, new_block_ids),
+                scheduled_running, scheduled_resumed, num_scheduled_tokens, new_block_ids
+            ),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             num_common_prefix_blocks=num_common_prefix_blocks,
@@ -196,8 +251,12 @@ class Scheduler:
     def _ignore_request(self, request: Request) -> None:
         """Finish a request that does not fit even in an empty KV cache (possible only when the pool was made smaller
         than `max_model_len` needs, e.g. with `num_gpu_blocks_override`): FINISHED_IGNORED, reported as "length"."""
-        logger.warning("request %s needs more KV cache than the whole pool holds (%d tokens so far); finishing it. "
-                       "Give the KV cache more memory or lower max_model_len.", request.request_id, request.num_tokens)
+        logger.warning(
+            "request %s needs more KV cache than the whole pool holds (%d tokens so far); finishing it. "
+            "Give the KV cache more memory or lower max_model_len.",
+            request.request_id,
+            request.num_tokens,
+        )
         request.status = RequestStatus.FINISHED_IGNORED
         self._ignored_reqs.append(request)
         self._free_request(request)
@@ -205,7 +264,8 @@ class Scheduler:
     def _update_waiting_for_remote_kv(self, request: Request) -> bool:
         """Hook for KV connectors: True (and the request back to WAITING) once its remote KV has arrived,
         as reported in `ModelRunnerOutput.kv_connector_output.finished_recving`."""
-        if request.request_id not in self.finished_recving_kv_req_ids: return False
+        if request.request_id not in self.finished_recving_kv_req_ids:
+            return False
         self.finished_recving_kv_req_ids.remove(request.request_id)
         request.status = RequestStatus.WAITING
         return True
@@ -214,7 +274,8 @@ class Scheduler:
         "Tokens `request` still has to compute, cut by `long_prefill_token_threshold` and the budget."
         n = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
         threshold = self.scheduler_config.long_prefill_token_threshold
-        if 0 < threshold < n: n = threshold
+        if 0 < threshold < n:
+            n = threshold
         return min(n, token_budget)
 
     def _pick_victim(self) -> Request:
@@ -233,12 +294,17 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self.log_stats: request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         self.waiting.prepend_request(request)
 
-    def _make_cached_request_data(self, running: list[Request], resumed: list[Request],
-                                  num_scheduled_tokens: dict[str, int],
-                                  new_block_ids: dict[str, tuple[list[int], ...]]) -> CachedRequestData:
+    def _make_cached_request_data(
+        self,
+        running: list[Request],
+        resumed: list[Request],
+        num_scheduled_tokens: dict[str, int],
+        new_block_ids: dict[str, tuple[list[int], ...]],
+    ) -> CachedRequestData:
         """The diff for requests the runner already knows (or knew, for resumed ones). `new_token_ids` holds
         the tokens to compute this step (so a runner that does not keep its own sampled tokens can work)."""
         data = CachedRequestData()
@@ -248,7 +314,7 @@ class Scheduler:
             if req in resumed:
                 data.resumed_req_ids.add(rid)
                 data.all_token_ids[rid] = list(req.all_token_ids)
-            data.new_token_ids.append(req.all_token_ids[start:start + num_scheduled_tokens[rid]])
+            data.new_token_ids.append(req.all_token_ids[start : start + num_scheduled_tokens[rid]])
             blocks = new_block_ids.get(rid)
             data.new_block_ids.append(blocks if blocks is not None and any(blocks) else None)
             data.num_computed_tokens.append(start)
@@ -262,46 +328,70 @@ class Scheduler:
         self.finished_req_ids = set()
 
     # ---- update_from_output --------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
         """Apply one step's results: append sampled tokens (none for an unfinished chunked prefill), stop
         checks, free finished requests. Returns one `EngineCoreOutputs` per client index (client 0 carries
         `scheduler_stats` when no request produced output)."""
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         kv_out = model_runner_output.kv_connector_output
-        if kv_out is not None: self.finished_recving_kv_req_ids.update(getattr(kv_out, "finished_recving", None) or ())
+        if kv_out is not None:
+            self.finished_recving_kv_req_ids.update(getattr(kv_out, "finished_recving", None) or ())
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped: list[Request] = []
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
-            if request is None or request.is_finished(): continue  # aborted while the step ran
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
             req_index = model_runner_output.req_id_to_index[rid]
             new_token_ids = list(sampled[req_index]) if sampled else []
             is_stopped = False
-            if new_token_ids: new_token_ids, is_stopped = self._update_request_with_output(request, new_token_ids)
-            if is_stopped: stopped.append(request)
+            if new_token_ids:
+                new_token_ids, is_stopped = self._update_request_with_output(request, new_token_ids)
+            if is_stopped:
+                stopped.append(request)
             new_logprobs = None
-            if new_token_ids and logprobs is not None and request.sampling_params is not None \
-                    and request.sampling_params.logprobs is not None:
+            if (
+                new_token_ids
+                and logprobs is not None
+                and request.sampling_params is not None
+                and request.sampling_params.logprobs is not None
+            ):
                 new_logprobs = logprobs.slice(req_index, req_index + 1)
             prompt_lp = model_runner_output.prompt_logprobs_dict.get(rid)
-            if prompt_lp is not None and hasattr(prompt_lp, "tolists"): prompt_lp = prompt_lp.tolists()
+            if prompt_lp is not None and hasattr(prompt_lp, "tolists"):
+                prompt_lp = prompt_lp.tolists()
             if new_token_ids or prompt_lp is not None or is_stopped:
-                outputs[request.client_index].append(EngineCoreOutput(
-                    request_id=rid, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
-                    new_prompt_logprobs=prompt_lp, finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason, events=request.take_events(),
-                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=prompt_lp,
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason=request.stop_reason,
+                        events=request.take_events(),
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
         if stopped:
             ids = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in ids]
-            for request in stopped: self._free_request(request)
+            for request in stopped:
+                self._free_request(request)
 
         for request in self._ignored_reqs:
-            outputs[request.client_index].append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                events=request.take_events(), num_cached_tokens=max(request.num_cached_tokens, 0)))
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    events=request.take_events(),
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
         self._ignored_reqs = []
         engine_core_outputs = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
         if self.finished_req_ids_dict:
@@ -310,22 +400,30 @@ class Scheduler:
                 eco.finished_requests = finished
             self.finished_req_ids_dict.clear()
         if (stats := self.make_stats()) is not None:
-            if not engine_core_outputs: engine_core_outputs[0] = EngineCoreOutputs()
+            if not engine_core_outputs:
+                engine_core_outputs[0] = EngineCoreOutputs()
             next(iter(engine_core_outputs.values())).scheduler_stats = stats
         return engine_core_outputs
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
         "Append tokens one by one until a stop; returns the tokens kept and whether the request stopped."
         for i, token_id in enumerate(new_token_ids):
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len):
-                return new_token_ids[:i + 1], True
+                return new_token_ids[: i + 1], True
         return new_token_ids, False
 
     def make_stats(self) -> SchedulerStats | None:
         "A `SchedulerStats` snapshot (None when `log_stats` is off)."
-        if not self.log_stats: return None
+        if not self.log_stats:
+            return None
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats()
-        return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-                              kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=prefix_stats,
-                              num_preemptions=self.num_preemptions)
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=prefix_stats,
+            num_preemptions=self.num_preemptions,
+        )
