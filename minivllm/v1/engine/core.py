@@ -24,7 +24,7 @@ from ..request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ENGINE_CORE_DEAD', 'READY', 'EngineCore', 'EngineCoreProc']
+__all__ = ['logger', 'ENGINE_CORE_DEAD', 'READY', 'EngineCore', 'make_zmq_socket', 'EngineCoreProc']
 
 # %% ../../../nbs/24_engine_core.ipynb #54282a7b
 def _result(x: Any) -> Any:
@@ -147,7 +147,24 @@ def _done(entry: tuple) -> bool:
     fut = entry[1] if entry[1] is not None else entry[0]
     return not isinstance(fut, Future) or fut.done()
 
-# %% ../../../nbs/24_engine_core.ipynb #2d9f56a8
+# %% ../../../nbs/24_engine_core.ipynb #1a9a227d
+def make_zmq_socket(ctx: Any, path: str, socket_type: int, bind: bool, identity: bytes | None = None,
+                    linger: int | None = None) -> Any:
+    """A ZMQ socket of `socket_type` on `ctx` (a `zmq.Context` or `zmq.asyncio.Context`), bound to `path` if
+    `bind`, else connected. SNDHWM and RCVHWM are 0 (unlimited) so a burst of messages is queued, never
+    dropped; both are set before bind/connect, when ZMQ reads them. `identity` and `linger` (ms) are set when
+    given. Source: vLLM utils/network_utils.py `make_zmq_socket` (HWMs; the buffer sizing is not copied)."""
+    import zmq
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if identity is not None: sock.setsockopt(zmq.IDENTITY, identity)
+    if linger is not None: sock.setsockopt(zmq.LINGER, linger)
+    if bind: sock.bind(path)
+    else: sock.connect(path)
+    return sock
+
+# %% ../../../nbs/24_engine_core.ipynb #49490bde
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -267,10 +284,8 @@ class EngineCoreProc(EngineCore):
         import zmq
         from minivllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
         add_decoder, generic_decoder = MsgpackDecoder(EngineCoreRequest), MsgpackDecoder()
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(input_address)
+        sock = make_zmq_socket(zmq.Context.instance(), input_address, zmq.DEALER, bind=False, identity=identity,
+                               linger=0)
         sock.send_multipart([READY, *MsgpackEncoder().encode({"num_gpu_blocks": self.vllm_config.cache_config.num_gpu_blocks})])
         ready.set()
         while True:
@@ -284,9 +299,7 @@ class EngineCoreProc(EngineCore):
         import zmq
         from minivllm.v1.serial_utils import MsgpackEncoder
         encoder = MsgpackEncoder()
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 4000)
-        sock.connect(output_address)
+        sock = make_zmq_socket(zmq.Context.instance(), output_address, zmq.PUSH, bind=False, linger=4000)
         while True:
             item = self.output_queue.get()
             if item == ENGINE_CORE_DEAD:

@@ -26,7 +26,7 @@ import zmq.asyncio
 from ...config import VllmConfig
 from . import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from .async_llm import EngineDeadError
-from .core import ENGINE_CORE_DEAD, READY, EngineCoreProc
+from .core import ENGINE_CORE_DEAD, READY, EngineCoreProc, make_zmq_socket
 from .core_client import EngineCoreClient
 from ..metrics.stats import PrefixCacheStats, SchedulerStats
 from ..serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -134,8 +134,8 @@ class MPClient(EngineCoreClient):
         self.input_address, self.output_address = get_open_zmq_ipc_path(), get_open_zmq_ipc_path()
         self.resources.paths += [self.input_address, self.output_address]
         # the handshake uses a synchronous ROUTER; the async client wraps the same socket type afterwards
-        self._sync_input = sync_ctx.socket(zmq.ROUTER)
-        self._sync_input.bind(self.input_address)
+        # no high-water mark: a ROUTER drops what it cannot queue, and one n=3000 request is 3000 messages
+        self._sync_input = make_zmq_socket(sync_ctx, self.input_address, zmq.ROUTER, bind=True)
         self.resources.sockets.append(self._sync_input)
         self.engine_identity = (0).to_bytes(2, "little")
         _check_not_bootstrapping()
@@ -220,8 +220,7 @@ class SyncMPClient(MPClient):
         super().__init__(False, vllm_config, executor_class, log_stats)
         self.input_socket = self._sync_input
         self.outputs_queue: queue.Queue = queue.Queue()
-        self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(self.output_address)
+        self.output_socket = make_zmq_socket(self.ctx, self.output_address, zmq.PULL, bind=True)
         self.resources.sockets.append(self.output_socket)
         self._send_lock = threading.Lock()
         self.output_thread = threading.Thread(target=self._process_outputs_socket, daemon=True, name="EngineCoreOutputQueueThread")
@@ -290,8 +289,7 @@ class AsyncMPClient(MPClient):
         super().__init__(True, vllm_config, executor_class, log_stats)
         # the ROUTER that did the handshake already knows the engine's identity: shadow it with an asyncio socket
         self.input_socket = zmq.asyncio.Socket(self._sync_input)
-        self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(self.output_address)
+        self.output_socket = make_zmq_socket(self.ctx, self.output_address, zmq.PULL, bind=True)
         self.resources.sockets.append(self.output_socket)
         self.outputs_queue: asyncio.Queue | None = None
         self.queue_task: asyncio.Task | None = None
