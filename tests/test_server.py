@@ -266,17 +266,18 @@ def test_bad_requests_do_not_disturb_a_running_stream(server):
     assert got["text"] == expected
 
 
-def _launch_serve(tmp_path, args: list[str], env_extra: dict | None = None):
+def _launch_serve(tmp_path, args: list[str], env_extra: dict | None = None, reuse_checkpoint: bool = False):
     """Start `minivllm serve` on a tiny llama checkpoint in a subprocess (one OMP thread, `args` after the port);
-    return (process, port) once /health answers. Raises AssertionError (after killing it) if the server exits
-    or is not up within 120 s."""
+    return (process, port) once /health answers. `reuse_checkpoint`: serve the one already in `tmp_path / "tiny"`
+    (made with other settings). Raises AssertionError (after killing it) if the server exits or is not up within
+    120 s."""
     import os
     import socket
     import subprocess
     import sys
     from pathlib import Path
     from minivllm.testing import make_tiny_checkpoint
-    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    ckpt = str(tmp_path / "tiny") if reuse_checkpoint else make_tiny_checkpoint("llama", tmp_path / "tiny")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     repo = Path(__file__).resolve().parents[1]

@@ -10,13 +10,17 @@ import logging
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minivllm
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
@@ -32,9 +36,11 @@ from ...v1.metrics.loggers import PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'AuthenticationMiddleware', 'validation_error_response', 'to_response', 'build_app', 'health', 'metrics',
-           'show_version', 'show_available_models', 'create_completion', 'create_chat_completion', 'tokenize',
-           'detokenize', 'ServerThread', 'engine_model_config', 'build_app_for_engine', 'watch_engine', 'run_server']
+__all__ = ['logger', 'DEFAULT_MAX_REQUEST_BODY_BYTES', 'AuthenticationMiddleware', 'RequestSizeLimitMiddleware',
+           'validation_error_response', 'error_type', 'http_error_response', 'internal_error_response', 'to_response',
+           'build_app', 'health', 'metrics', 'show_version', 'show_available_models', 'create_completion',
+           'create_chat_completion', 'tokenize', 'detokenize', 'ServerThread', 'engine_model_config',
+           'build_app_for_engine', 'watch_engine', 'DrainingServer', 'run_server']
 
 # %% ../../../nbs/58_api_server.ipynb #10c799d3
 class AuthenticationMiddleware:
@@ -53,17 +59,81 @@ class AuthenticationMiddleware:
         await self.app(scope, receive, send)
 
 # %% ../../../nbs/58_api_server.ipynb #ecd403e4
+class RequestSizeLimitMiddleware:
+    """ASGI middleware: a body over `max_bytes` is answered 413 in OpenAI's error shape before any handler parses
+    it. The body is read as it arrives and dropped past the limit (memory stays bounded), so the client, still
+    sending, gets to read the answer; past 4x the limit the rest is not waited for. `max_bytes <= 0`: no limit."""
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.max_bytes <= 0:
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more and size <= 4 * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":   # the client left before sending it all
+                return
+            size += len(message.get("body", b""))
+            if size <= self.max_bytes:
+                chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        if size > self.max_bytes:
+            err = create_error_response(f"Request body too large: more than {self.max_bytes} bytes (the server's "
+                                        "--max-request-body-bytes).", "RequestTooLargeError", 413)
+            await JSONResponse(err.model_dump(), status_code=413)(scope, receive, send)
+            return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()   # later calls: disconnect detection
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, replay, send)
+
+# %% ../../../nbs/58_api_server.ipynb #5544b117
+def _is_model_name(part: Any) -> bool:
+    "A union member's class name in a pydantic error location (`TokenizeCompletionRequest`), not a field."
+    return isinstance(part, str) and part[:1].isupper() and part.endswith("Request")
+
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
-    "400 naming the first bad field (`param`), with every problem listed in `message`."
-    errors, parts, param = exc.errors(), [], None
-    for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        if e.get("type") == "json_invalid": parts.append(f"malformed JSON body: {e.get('msg')}"); continue
-        field = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{field}: {e.get('msg')}")
+    """400 naming the bad field (`param`), with every problem listed in `message`. For a union body (`/tokenize`)
+    the class names are left out of the locations, and a wrong value beats a missing field as the `param`."""
+    parts, candidates = [], []
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_model_name(x)]
+        if e.get("type") == "json_invalid":
+            parts.append(f"malformed JSON body: {e.get('msg')}")
+            continue
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        if loc:
+            candidates.append((e.get("type") == "missing", len(candidates), loc[0]))
+    param = min(candidates)[2] if candidates else None
     err = create_error_response("; ".join(parts) or "invalid request body", param=param)
     return JSONResponse(err.model_dump(), status_code=400)
+
+def error_type(status_code: int) -> str:
+    "OpenAI-style error type of an HTTP status: 400 -> BadRequestError, 404 -> NotFoundError, 500 -> InternalServerError."
+    name = "".join(HTTPStatus(status_code).phrase.title().split())
+    return name if name.endswith("Error") else name + "Error"
+
+def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors (404, 405, a body that does not parse) in OpenAI's shape; the
+    parser's reason (bad UTF-8, nesting too deep, a number too long) is added to the message.
+    Source: vLLM api_server.py `http_exception_handler`."""
+    message, cause = str(exc.detail), exc.__cause__
+    if cause is not None:
+        message = f"{message}: {type(cause).__name__}: {cause}"[:500]
+    err = create_error_response(message, error_type(exc.status_code), exc.status_code)
+    return JSONResponse(err.model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+def internal_error_response(exc: BaseException) -> JSONResponse:
+    "A 500 in OpenAI's shape for any exception no handler expected (text made safe for UTF-8)."
+    text = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode("utf-8")[:500]
+    err = create_error_response(text, "InternalServerError", 500)
+    return JSONResponse(err.model_dump(), status_code=500)
 
 def to_response(result: Any) -> Response:
     "ErrorResponse -> JSON with its status; pydantic model -> 200 JSON; async generator -> SSE stream."
@@ -72,31 +142,46 @@ def to_response(result: Any) -> Response:
     if isinstance(result, BaseModel): return JSONResponse(result.model_dump())
     return StreamingResponse(result, media_type="text/event-stream")
 
-# %% ../../../nbs/58_api_server.ipynb #5544b117
+# %% ../../../nbs/58_api_server.ipynb #0f9527f4
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2 ** 20
+
 def build_app(engine_client: Any, served_model_names: list[str], max_model_len: int, api_key: str | None = None,
-              model_path: str | None = None, chat_template: str | None = None) -> FastAPI:
+              model_path: str | None = None, chat_template: str | None = None, trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine_client` (an `AsyncLLM`) under `served_model_names`.
-    `max_model_len`: tokens per sequence (prompt + output). Source: vLLM api_server.py `build_app` + `init_app_state`."""
+    `max_model_len`: tokens per sequence (prompt + output); `trust_request_chat_template`: accept templates sent
+    in requests; `max_request_body_bytes`: larger bodies get a 413 (0: no limit).
+    Source: vLLM api_server.py `build_app` + `init_app_state`."""
     app = FastAPI(title="minivllm OpenAI-compatible server", version=minivllm.__version__)
     models = OpenAIServingModels(served_model_names, model_path, max_model_len)
     s = app.state
     s.engine_client, s.openai_serving_models = engine_client, models
-    s.openai_serving_completion = OpenAIServingCompletion(engine_client, models, max_model_len)
-    s.openai_serving_chat = OpenAIServingChat(engine_client, models, max_model_len, chat_template)
-    s.openai_serving_tokenization = OpenAIServingTokenization(engine_client, models, max_model_len, chat_template)
+    # one tokenizer thread for the app: a Hugging Face tokenizer must not run on two threads at once
+    shared = dict(tokenizer_executor=ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer"))
+    chat_args = dict(chat_template=chat_template, trust_request_chat_template=trust_request_chat_template, **shared)
+    s.openai_serving_completion = OpenAIServingCompletion(engine_client, models, max_model_len, **shared)
+    s.openai_serving_chat = OpenAIServingChat(engine_client, models, max_model_len, **chat_args)
+    s.openai_serving_tokenization = OpenAIServingTokenization(engine_client, models, max_model_len, **chat_args)
     s.stat_logger = PrometheusStatLogger(models.model_name, max_model_len=max_model_len)  # token-count buckets up to it
     engine_client.stat_loggers.append(s.stat_logger)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError): return validation_error_response(exc)
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError):
-        return JSONResponse(create_error_response(str(exc), "InternalServerError", 500).model_dump(), status_code=500)
-
+    _add_exception_handlers(app)
     for route in _ROUTES: app.add_api_route(*route[:2], methods=route[2])
-    if api_key: app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key: app.add_middleware(AuthenticationMiddleware, api_key=api_key)  # added last: runs first
     return app
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    "Every error in OpenAI's shape: validation (400), HTTP errors (404, 405, parse errors), a dead engine, the rest (500)."
+    async def validation(request: Request, exc: RequestValidationError): return validation_error_response(exc)
+    async def http_error(request: Request, exc: StarletteHTTPException): return http_error_response(exc)
+    async def internal(request: Request, exc: Exception): return internal_error_response(exc)
+    async def dead(request: Request, exc: EngineDeadError):
+        return JSONResponse(create_error_response(str(exc), "InternalServerError", 500).model_dump(), status_code=500)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(EngineDeadError, dead)
+    app.add_exception_handler(Exception, internal)   # Starlette sends it, then re-raises (the traceback is logged)
 
 # %% ../../../nbs/58_api_server.ipynb #20005ce2
 async def health(raw_request: Request) -> Response:
@@ -131,11 +216,10 @@ _ROUTES = [("/health", health, ["GET"]), ("/metrics", metrics, ["GET"]), ("/vers
            ("/v1/chat/completions", create_chat_completion, ["POST"]), ("/tokenize", tokenize, ["POST"]),
            ("/detokenize", detokenize, ["POST"])]
 
-# %% ../../../nbs/58_api_server.ipynb #0f9527f4
+# %% ../../../nbs/58_api_server.ipynb #75ffb7bc
 class ServerThread:
     "uvicorn serving `app` on a background thread. `port=0` picks a free port; `url` is `http://host:port` once started."
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off"))
         self.host, self.thread = host, threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
@@ -158,7 +242,7 @@ class ServerThread:
     def __enter__(self): return self.start()
     def __exit__(self, *exc): self.stop()
 
-# %% ../../../nbs/58_api_server.ipynb #75ffb7bc
+# %% ../../../nbs/58_api_server.ipynb #9cd80892
 def engine_model_config(engine: Any) -> Any:
     "The `ModelConfig` of an `LLMEngine` (None if it has none, e.g. the fake engine)."
     for path in (("model_config",), ("vllm_config", "model_config")):
@@ -168,13 +252,14 @@ def engine_model_config(engine: Any) -> Any:
     return None
 
 def build_app_for_engine(engine_client: Any, served_model_name: list[str] | None = None, api_key: str | None = None,
-                         chat_template: str | None = None) -> FastAPI:
+                         chat_template: str | None = None, **kwargs: Any) -> FastAPI:
     """`build_app` with the names and `max_model_len` read from the model config of `engine_client` (an `AsyncLLM`
-    over an engine process has one; on the in-process path it is its engine's, absent for the fake engine)."""
+    over an engine process has one; on the in-process path it is its engine's, absent for the fake engine).
+    `kwargs`: the rest of `build_app`'s options (`trust_request_chat_template`, `max_request_body_bytes`)."""
     mc = engine_model_config(engine_client) or engine_model_config(getattr(engine_client, "engine", None))
     max_model_len = mc.max_model_len if mc is not None else engine_client.engine.max_model_len
     names = served_model_name or [getattr(mc, "served_model_name", None) or "model"]
-    return build_app(engine_client, names, max_model_len, api_key, getattr(mc, "model", None), chat_template)
+    return build_app(engine_client, names, max_model_len, api_key, getattr(mc, "model", None), chat_template, **kwargs)
 
 def _engine_is_dead(engine_client: Any) -> bool:
     """True once the engine can serve no more: `AsyncLLM.errored`, or its engine process has exited (checked on
@@ -204,13 +289,25 @@ async def watch_engine(server: Any, engine_client: Any, state: dict, interval: f
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"terminated by signal {signum}")
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, where a second SIGTERM ends the drain at once, as a second Ctrl-C does in uvicorn (the
+    open requests are cancelled, which aborts them in the engine). The first signal drains for at most the
+    config's `timeout_graceful_shutdown` (`--shutdown-timeout`)."""
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            logger.warning("second signal: stopping now, cancelling %d open request(s)", len(self.server_state.tasks))
+            self.force_exit = True
+            for task in list(self.server_state.tasks):
+                task.cancel()
+        super().handle_exit(sig, frame)
+
 def run_server(args: Any) -> None:
     """Serve until interrupted (SIGINT or SIGTERM: both shut the engine down in order, removing its IPC files).
-    Exits with status 1 (SystemExit) when the engine died, unless MINIVLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set.
+    Open requests get `args.shutdown_timeout` seconds to finish, then are cancelled; a second signal cancels them
+    at once. Exits with status 1 (SystemExit) when the engine died, unless MINIVLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set.
     `args`: the namespace of `minivllm serve` (see `cli_args.make_arg_parser`). The engine core runs in its own
     process unless MINIVLLM_ENABLE_V1_MULTIPROCESSING=0. Source: vLLM api_server.py `run_server`."""
     import signal
-    import uvicorn
     from minivllm.entrypoints.openai.cli_args import engine_args_from
     from minivllm.v1.engine.async_llm import AsyncLLM
     # uvicorn captures SIGTERM while serving, then re-raises it with the handler found here: the default one would
@@ -219,10 +316,15 @@ def run_server(args: Any) -> None:
     engine_client = AsyncLLM.from_engine_args(engine_args_from(args))
     state = {"engine_dead": False}
     try:
-        app = build_app_for_engine(engine_client, args.served_model_name, args.api_key, args.chat_template)
+        app = build_app_for_engine(engine_client, args.served_model_name, args.api_key, args.chat_template,
+                                   trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                                   max_request_body_bytes=getattr(args, "max_request_body_bytes",
+                                                                  DEFAULT_MAX_REQUEST_BODY_BYTES))
         names = app.state.openai_serving_models.served_model_names
         logger.info("serving %s on http://%s:%d", names, args.host, args.port)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=getattr(args, "shutdown_timeout", 5.0))
+        server = DrainingServer(config)
 
         async def serve() -> None:
             watcher = asyncio.create_task(watch_engine(server, engine_client, state))

@@ -30,6 +30,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="Name(s) clients use in `model`; the first is reported in responses (default: the model folder's name).")
     srv.add_argument("--api-key", default=None, help="If set, /v1/* requests need `Authorization: Bearer <key>`.")
     srv.add_argument("--chat-template", default=None, help="Jinja chat template (a file path or the template text).")
+    srv.add_argument("--trust-request-chat-template", action="store_true", default=False,
+                     help="Accept chat templates sent in requests (chat_template); refused by default, as in vLLM.")
+    srv.add_argument("--shutdown-timeout", type=float, default=5.0,
+                     help="Seconds open requests get to finish after SIGTERM/Ctrl-C before they are cancelled "
+                          "(default 5); a second signal cancels them at once.")
+    srv.add_argument("--max-request-body-bytes", type=int, default=16 * 2 ** 20,
+                     help="Larger request bodies are answered 413 before parsing (default 16 MiB; 0: no limit).")
     srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default=None, choices=DTYPE_CHOICES)
@@ -79,6 +86,7 @@ class ServeSubcommand:
 
     def validate(self, args: argparse.Namespace) -> None:
         if not 0 <= args.port < 65536: raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
+        if not args.shutdown_timeout >= 0: raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser("serve", help="Start the OpenAI-compatible API server.",

@@ -88,6 +88,7 @@ class _SamplingFields(OpenAIBaseModel):
     priority: int = 0
     prompt_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None   # OpenAI: {"token id": bias in [-100, 100]}
+    response_format: dict[str, Any] | None = None  # only {"type": "text"} until structured outputs exist
 
     def _check_prompt_logprobs(self, prompt_logprobs: int | None, max_logprobs: int) -> None:
         if self.prompt_logprobs is not None and self.prompt_logprobs != 0 and self.stream:
@@ -121,14 +122,23 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def echo_without_generation(self) -> bool:
+        "`echo` with `max_tokens=0`: return the prompt (and its logprobs) only, as OpenAI allows."
+        return bool(self.echo) and self.max_tokens == 0
+
     def to_sampling_params(self, max_tokens: int | None, max_logprobs: int = 20) -> SamplingParams:
         """Raises `ValueError` naming the field for out-of-range values. `echo` with `logprobs` also asks for
-        the prompt's logprobs (the echoed tokens need them), unless `prompt_logprobs` is given."""
+        the prompt's logprobs (the echoed tokens need them), unless `prompt_logprobs` is given. With
+        `echo_without_generation` the engine still samples one token (it cannot run zero), which the
+        handler drops. Source: vLLM protocol.py `CompletionRequest.to_sampling_params`."""
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}.")
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo: prompt_logprobs = self.logprobs
         self._check_prompt_logprobs(prompt_logprobs, max_logprobs)
+        if self.echo_without_generation:
+            max_tokens = 1
         return self._sampling_params(max_tokens, self.logprobs,
                                      RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY, prompt_logprobs)
 
@@ -150,6 +160,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # refused with a 400 until tool calling exists (tool_choice "none" is honoured by ignoring tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None: return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -176,6 +189,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

@@ -5,19 +5,21 @@
 # %% ../../../nbs/57_serving_chat.ipynb #130ee576
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncGenerator
+from functools import lru_cache
 from typing import Any
 
 from .protocol import (ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, DeltaMessage, ErrorResponse, UsageInfo, clamp_prompt_logprobs, random_uuid)
-from .serving_completion import _chain, _prime, merge_async_iterators, sse
-from .serving_engine import OpenAIServing, create_error_response
+from .serving_completion import _chain, _prime, _usage, _usage_options, merge_async_iterators, sse
+from .serving_engine import OpenAIServing, check_request_fields, create_error_response
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'parse_chat_messages', 'apply_chat_template', 'OpenAIServingChat', 'chat_completion_full_generator',
-           'chat_completion_stream_generator']
+__all__ = ['CHATML_TEMPLATE', 'parse_chat_messages', 'apply_chat_template', 'OpenAIServingChat', 'token_bytes',
+           'chat_completion_full_generator', 'chat_completion_stream_generator']
 
 # %% ../../../nbs/57_serving_chat.ipynb #c0f1494e
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -37,7 +39,7 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
                 if not isinstance(p, dict) or p.get("type") != "text":
                     raise ValueError(f"messages: message {i} has a non-text content part; only text is supported.")
                 parts.append(p.get("text", ""))
-            content = "".join(parts)
+            content = "\n".join(parts)
         elif not isinstance(content, str): raise ValueError(f"messages: message {i} content must be a string or a list of text parts.")
         out.append({"role": role, "content": content})
     return out
@@ -52,15 +54,24 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: str
                                          continue_final_message=continue_final_message, **kwargs)
 
 # %% ../../../nbs/57_serving_chat.ipynb #990b65ae
+_RESERVED_TEMPLATE_KWARGS = {"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents"}
+
+def _request_template(request: Any) -> str | None:
+    "The chat template a request brings itself (`chat_template`, or inside `chat_template_kwargs`), if any."
+    kwargs = getattr(request, "chat_template_kwargs", None) or {}
+    return getattr(request, "chat_template", None) or kwargs.get("chat_template")
+
 class OpenAIServingChat(OpenAIServing):
     """`POST /v1/chat/completions`. `chat_template`: overrides the tokenizer's; `response_role`: role of the answer.
     Source: vLLM entrypoints/openai/serving_chat.py `OpenAIServingChat`."""
     request_id_prefix = "chatcmpl"
 
     def __init__(self, engine_client: Any, models: Any, max_model_len: int, chat_template: str | None = None,
-                 response_role: str = "assistant"):
-        super().__init__(engine_client, models, max_model_len)
+                 response_role: str = "assistant", trust_request_chat_template: bool = False, **kwargs: Any):
+        super().__init__(engine_client, models, max_model_len, **kwargs)
         self.chat_template, self.response_role = chat_template, response_role
+        self.trust_request_chat_template = trust_request_chat_template
 
     def _get_role(self, request) -> str:
         "The role of the answer. Source: vLLM serving_chat.py `get_chat_request_role`."
@@ -72,49 +83,108 @@ class OpenAIServingChat(OpenAIServing):
         last = parse_chat_messages(request.messages[-1:])[0]
         return last["content"] if last["role"] == self._get_role(request) else ""
 
+    def _check_chat_template(self, request) -> ErrorResponse | None:
+        "400 for a request template on a server that does not trust them. Source: vLLM serving_engine `_validate_chat_template`."
+        if self.trust_request_chat_template or _request_template(request) is None: return None
+        return create_error_response("Chat template is passed with request, but --trust-request-chat-template is not "
+                                     "set. Refused request with untrusted chat template.", param="chat_template")
+
     def _render(self, request) -> tuple[str, list[int]]:
-        "Prompt text and token ids of a chat request (template applied, no special tokens added on top)."
-        template = getattr(request, "chat_template", None) or self.chat_template
-        text = apply_chat_template(self.tokenizer, parse_chat_messages(request.messages), template, request.add_generation_prompt,
-                                   request.continue_final_message, **(request.chat_template_kwargs or {}))
+        """Prompt text and token ids of a chat request (template applied, no special tokens added on top).
+        Blocking. Raises `ValueError` starting with the field to blame."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        kwargs.pop("chat_template", None)
+        if reserved := sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS):
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here (use the request fields).")
+        request_template = _request_template(request)
+        messages = parse_chat_messages(request.messages)
+        try:
+            text = apply_chat_template(self.tokenizer, messages, request_template or self.chat_template,
+                                       request.add_generation_prompt, request.continue_final_message, **kwargs)
+        except ValueError:
+            raise
+        except Exception as e:   # a template that fails to render (a jinja error) is the request's fault
+            field = "chat_template" if request_template else "chat_template_kwargs" if kwargs else "messages"
+            raise ValueError(f"{field}: the chat template failed to render: {type(e).__name__}: {e}") from e
+        self._check_prompt_chars(text, "messages")
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prepare(self, request) -> tuple[str, list[int], Any] | ErrorResponse:
+        "(prompt text, token ids, SamplingParams), or the length error. Blocking: runs on the tokenizer thread."
+        text, ids = self._render(request)
+        max_tokens, err = self._validate_input(ids, request.requested_max_tokens(), "messages")
+        if err is not None:
+            return err
+        return text, ids, request.to_sampling_params(max_tokens, self.max_logprobs)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
                                      ) -> ChatCompletionResponse | AsyncGenerator[str, None] | ErrorResponse:
         "An `ErrorResponse` (nothing was sent to the engine), a `ChatCompletionResponse`, or an SSE generator (`stream=true`)."
+        if (err := check_request_fields(request)) is not None: return err
         if (err := await self._check_model(request)) is not None: return err
+        if (err := self._check_chat_template(request)) is not None: return err
         if request.stream_options is not None and not request.stream:
             return create_error_response("stream_options is only allowed with stream=true", param="stream_options")
         if not request.messages: return create_error_response("messages: at least one message is required", param="messages")
         try:
-            text, ids = self._render(request)
-            max_tokens, err = self._validate_input(ids, request.requested_max_tokens(), "messages")
-            if err is not None: return err
-            params = request.to_sampling_params(max_tokens, self.max_logprobs)
-        except ValueError as e: return self._error_from_value_error(e)
-        except Exception as e:   # a template that fails to render (jinja error) is the request's fault
-            return create_error_response(f"messages: the chat template failed to render: {e}", param="messages")
+            prepared = await self._run_blocking(self._prepare, request)
+        except ValueError as e:
+            return self._error_from_value_error(e)
+        if isinstance(prepared, ErrorResponse):
+            return prepared
+        text, ids, params = prepared
         request_id = f"{self.request_id_prefix}-{random_uuid()}"
         gen = self.engine_client.generate({"prompt": text, "prompt_token_ids": ids}, params, request_id, priority=request.priority)
         model_name = request.model or self.models.model_name
         if request.stream:
             try: (first,), _ = await _prime([gen])
-            except ValueError as e: return self._error_from_value_error(e)
+            except (ValueError, OverflowError) as e: return self._error_from_value_error(e)
             return self.chat_completion_stream_generator(request, _chain(first, gen), request_id, model_name, len(ids), params.logprobs)
         return await self.chat_completion_full_generator(request, gen, request_id, model_name, len(ids), params.logprobs)
 
 # %% ../../../nbs/57_serving_chat.ipynb #c8dcbd90
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+@lru_cache(1)
+def _byte_level_alphabet() -> dict[str, int]:
+    "GPT-2's byte-level alphabet reversed: the printable stand-in of each byte -> that byte."
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The raw bytes of token `token_id`; `text` (its decoded text) is the fallback for vocabularies of an
+    unknown kind. Source: OpenAI's `bytes` field (vLLM encodes the decoded text instead)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str) or token_id in getattr(tokenizer, "added_tokens_decoder", {}):
+        return list(text.encode("utf-8", "replace"))
+    if m := _BYTE_PIECE.fullmatch(piece):
+        return [int(m.group(1), 16)]
+    decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+    alphabet = _byte_level_alphabet()
+    if decoder.startswith("ByteLevel") and all(c in alphabet for c in piece):
+        return [alphabet[c] for c in piece]
+    if "▁" in decoder or "Metaspace" in decoder:
+        return list(piece.replace("▁", " ").encode("utf-8"))
+    return list(text.encode("utf-8", "replace"))
+
 def _create_chat_logprobs(self: OpenAIServingChat, token_ids: list[int], top_logprobs: list | None, num_logprobs: int) -> ChatCompletionLogProbs:
+    def entry(tid: int, lp: Any, cls: type = ChatCompletionLogProb, **extra) -> Any:
+        text = self._decode_token(tid, lp)
+        logprob = max(lp.logprob, -9999.0) if lp is not None else -9999.0
+        return cls(token=text, logprob=logprob, bytes=token_bytes(self.tokenizer, tid, text), **extra)
     content = []
     for i, tid in enumerate(token_ids):
         step = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else {}
-        token = self._decode_token(tid, step.get(tid))
         tops = sorted(((lp.rank or 0, t, lp) for t, lp in step.items() if lp.rank is not None and lp.rank <= num_logprobs),
                       key=lambda x: x[0])
-        content.append(ChatCompletionLogProbsContent(
-            token=token, logprob=max(step[tid].logprob, -9999.0) if tid in step else -9999.0, bytes=list(token.encode("utf-8", "replace")),
-            top_logprobs=[ChatCompletionLogProb(token=(s := self._decode_token(t, lp)), logprob=max(lp.logprob, -9999.0),
-                                                bytes=list(s.encode("utf-8", "replace"))) for _, t, lp in tops[:num_logprobs]]))
+        content.append(entry(tid, step.get(tid), ChatCompletionLogProbsContent,
+                             top_logprobs=[entry(t, lp) for _, t, lp in tops[:num_logprobs]]))
     return ChatCompletionLogProbs(content=content)
 
 OpenAIServingChat._create_chat_logprobs = _create_chat_logprobs
@@ -125,7 +195,7 @@ async def chat_completion_full_generator(self: OpenAIServingChat, request: ChatC
     final = None
     try:
         async for _, res in merge_async_iterators(gen): final = res
-    except ValueError as e: return self._error_from_value_error(e)
+    except (ValueError, OverflowError) as e: return self._error_from_value_error(e)
     choices, num_gen = [], 0
     role, echo = self._get_role(request), self._echo_content(request)
     for out in final.outputs:
@@ -142,10 +212,13 @@ async def chat_completion_full_generator(self: OpenAIServingChat, request: ChatC
 async def chat_completion_stream_generator(self: OpenAIServingChat, request: ChatCompletionRequest, gen, request_id: str,
                                            model_name: str, num_prompt_tokens: int, num_logprobs: int | None) -> AsyncGenerator[str, None]:
     created = int(time.time())
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    include_usage, continuous = _usage_options(request)
+    gen_counts = [0] * request.n
     def chunk(choices, usage=None):
         # Only what is set goes out (vLLM dumps chunks with exclude_unset): a content delta has no "role": null,
         # and "usage" appears only in the final usage chunk.
+        if usage is None and continuous and choices:   # the running usage of this chunk's choice
+            usage = _usage(num_prompt_tokens, gen_counts[choices[0].index])
         extra = {} if usage is None else {"usage": usage}
         return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
                                                 model=model_name, choices=choices, **extra), exclude_unset=True)
@@ -163,14 +236,15 @@ async def chat_completion_stream_generator(self: OpenAIServingChat, request: Cha
             for out in res.outputs:
                 if not (out.text or out.token_ids or out.finish_reason): continue
                 num_gen += len(out.token_ids)
+                gen_counts[out.index] += len(out.token_ids)
                 logprobs = self._create_chat_logprobs(out.token_ids, out.logprobs, num_logprobs) if num_logprobs is not None else None
                 # finish_reason is always sent (null until the end); stop_reason only with the last chunk
                 end = {"stop_reason": out.stop_reason} if out.finish_reason else {}
                 yield chunk([ChatCompletionResponseStreamChoice(index=out.index, delta=DeltaMessage(content=out.text), logprobs=logprobs,
                                                                 finish_reason=out.finish_reason, **end)])
         if include_usage:
-            yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen, total_tokens=num_prompt_tokens + num_gen))
-    except ValueError as e:
+            yield chunk([], _usage(num_prompt_tokens, num_gen))
+    except (ValueError, OverflowError) as e:
         yield sse(self._error_from_value_error(e))
     except Exception as e:
         yield sse(create_error_response(f"{type(e).__name__}: {e}", "InternalServerError", 500))

@@ -13,7 +13,7 @@ from typing import Any
 from minivllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
     CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse, ErrorResponse, UsageInfo,
     clamp_prompt_logprobs, random_uuid)
-from .serving_engine import OpenAIServing, create_error_response
+from .serving_engine import OpenAIServing, check_request_fields, create_error_response
 from ...outputs import RequestOutput
 
 # %% auto #0
@@ -61,6 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Any = None
                                 ) -> CompletionResponse | AsyncGenerator[str, None] | ErrorResponse:
         "An `ErrorResponse` (nothing was sent to the engine), a `CompletionResponse`, or an SSE generator (`stream=true`)."
+        if (err := check_request_fields(request)) is not None: return err
         if (err := await self._check_model(request)) is not None: return err
         if request.suffix is not None: return create_error_response("suffix is not supported", param="suffix")
         if request.best_of not in (None, request.n): return create_error_response("best_of must equal n (or be unset)", param="best_of")
@@ -69,25 +70,38 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _prompts_of(request.prompt)
         if not prompts: return create_error_response("prompt: at least one prompt is required", param="prompt")
         request_id = f"{self.request_id_prefix}-{random_uuid()}"
-        inputs = []
         try:
-            for p in prompts:
-                ids = self._tokenize_prompt_input(p)
-                max_tokens, err = self._validate_input(ids, request.max_tokens, "prompt")
-                if err is not None: return err
-                inputs.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids,
-                               request.to_sampling_params(max_tokens, self.max_logprobs)))
-        except ValueError as e: return self._error_from_value_error(e)
+            inputs = await self._run_blocking(self._prepare_inputs, request, prompts)
+        except ValueError as e:
+            return self._error_from_value_error(e)
+        if isinstance(inputs, ErrorResponse):
+            return inputs
         gens = [self.engine_client.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}",
                                             priority=request.priority) for i, (text, ids, params) in enumerate(inputs)]
         model_name = request.model or self.models.model_name
         if request.stream: return await self._start_stream(request, gens, inputs, request_id, model_name)
         return await self.completion_full_generator(request, gens, inputs, request_id, model_name)
 
+    def _prepare_inputs(self, request: CompletionRequest, prompts: list) -> list[tuple] | ErrorResponse:
+        """(prompt text, token ids, SamplingParams) per prompt, or the first prompt's error. Blocking (the
+        tokenizer): runs on the tokenizer thread. Raises `ValueError` naming the field."""
+        inputs = []
+        for p in prompts:
+            ids = self._tokenize_prompt_input(p)
+            max_tokens, err = self._validate_input(ids, request.max_tokens, "prompt")
+            if err is not None:
+                return err
+            text = p if isinstance(p, str) else self.tokenizer.decode(ids)
+            inputs.append((text, ids, request.to_sampling_params(max_tokens, self.max_logprobs)))
+        return inputs
+
 # %% ../../../nbs/56_serving_completion.ipynb #b69426ef
 def _with_echo(echo: bool, prompt_text: str, prompt_ids: list[int], prompt_logprobs: list | None, text: str, token_ids: list[int],
-               logprobs: list | None) -> tuple[list[int], str, list | None]:
-    "(token ids, text, per-token logprobs) of one choice's output, the prompt's prepended when `echo`."
+               logprobs: list | None, generated: bool = True) -> tuple[list[int], str, list | None]:
+    """(token ids, text, per-token logprobs) of one choice's output, the prompt's prepended when `echo`.
+    `generated=False` (echo with max_tokens=0): the prompt's part only, or nothing after the first echo."""
+    if not generated:
+        token_ids, text, logprobs = [], "", []
     if not echo: return list(token_ids), text, logprobs
     prompt_lps = prompt_logprobs if prompt_logprobs is not None else [None] * len(prompt_ids)
     return [*prompt_ids, *token_ids], prompt_text + text, [*prompt_lps, *(logprobs or [None] * len(token_ids))]
@@ -97,15 +111,17 @@ async def completion_full_generator(self: OpenAIServingCompletion, request: Comp
     finals: list[RequestOutput | None] = [None] * len(gens)
     try:
         async for i, res in merge_async_iterators(*gens): finals[i] = res
-    except ValueError as e: return self._error_from_value_error(e)
+    except (ValueError, OverflowError) as e: return self._error_from_value_error(e)
     choices, num_prompt, num_gen = [], 0, 0
+    generated = not request.echo_without_generation
     for i, res in enumerate(finals):
         text, ids, params = inputs[i]
         num_prompt += len(ids)
         prompt_logprobs = clamp_prompt_logprobs(res.prompt_logprobs)
         for out in res.outputs:
-            num_gen += len(out.token_ids)
-            token_ids, out_text, top = _with_echo(request.echo, text, ids, res.prompt_logprobs, out.text, out.token_ids, out.logprobs)
+            num_gen += len(out.token_ids) if generated else 0
+            token_ids, out_text, top = _with_echo(request.echo, text, ids, res.prompt_logprobs, out.text, out.token_ids,
+                                                  out.logprobs, generated)
             logprobs = self._create_completion_logprobs(token_ids, top, params.logprobs) if params.logprobs is not None else None
             choices.append(CompletionResponseChoice(index=i * request.n + out.index, text=out_text, logprobs=logprobs,
                                                     finish_reason=out.finish_reason, stop_reason=out.stop_reason,
@@ -156,7 +172,7 @@ async def _chain(first: Any, gen: AsyncIterator) -> AsyncGenerator:
 
 async def _start_stream(self: OpenAIServingCompletion, request, gens, inputs, request_id, model_name):
     try: firsts, gens = await _prime(gens)
-    except ValueError as e: return self._error_from_value_error(e)
+    except (ValueError, OverflowError) as e: return self._error_from_value_error(e)
     return self.completion_stream_generator(request, [_chain(f, g) for f, g in zip(firsts, gens)], inputs, request_id, model_name)
 
 def sse(obj: Any, exclude_unset: bool = False) -> str:
@@ -167,14 +183,24 @@ def sse(obj: Any, exclude_unset: bool = False) -> str:
 OpenAIServingCompletion._start_stream = _start_stream
 
 # %% ../../../nbs/56_serving_completion.ipynb #4fb48577
+def _usage_options(request: Any) -> tuple[bool, bool]:
+    "(include_usage, include_continuous_usage) of a streamed request. Source: vLLM serving_engine `should_include_usage`."
+    opts = request.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    return include_usage, include_usage and bool(opts.continuous_usage_stats)
+
+def _usage(num_prompt: int, num_gen: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
+
 async def completion_stream_generator(self: OpenAIServingCompletion, request: CompletionRequest, gens: list, inputs: list,
                                       request_id: str, model_name: str) -> AsyncGenerator[str, None]:
     created, n = int(time.time()), request.n
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    include_usage, continuous = _usage_options(request)
+    generated = not request.echo_without_generation
     echoed: set[int] = set()
     offsets: dict[int, int] = {}
     prompt_lps: dict[int, list] = {}   # per prompt: its logprobs arrive once (DELTA), every choice's echo needs them
-    num_gen = 0
+    gen_counts: dict[int, int] = {}    # per choice: tokens generated so far
     try:
         async for i, res in merge_async_iterators(*gens):
             text_in, ids, params = inputs[i]
@@ -183,21 +209,23 @@ async def completion_stream_generator(self: OpenAIServingCompletion, request: Co
                 index = i * n + out.index
                 echo = request.echo and index not in echoed
                 echoed.add(index)
-                token_ids, text, top = _with_echo(echo, text_in, ids, prompt_lps.get(i), out.text, out.token_ids, out.logprobs)
+                token_ids, text, top = _with_echo(echo, text_in, ids, prompt_lps.get(i), out.text, out.token_ids,
+                                                  out.logprobs, generated)
                 if not (text or token_ids or out.finish_reason): continue
-                num_gen += len(out.token_ids)
+                gen_counts[index] = gen_counts.get(index, 0) + (len(out.token_ids) if generated else 0)
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = self._create_completion_logprobs(token_ids, top, params.logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(text)
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[
+                usage = _usage(len(ids), gen_counts[index]) if continuous else None
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, usage=usage, choices=[
                     CompletionResponseStreamChoice(index=index, text=text, logprobs=logprobs,
                                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)]))
         if include_usage:
             num_prompt = sum(len(ids) for _, ids, _ in inputs)
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                      usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)))
-    except ValueError as e:
+                                               usage=_usage(num_prompt, sum(gen_counts.values()))))
+    except (ValueError, OverflowError) as e:
         yield sse(self._error_from_value_error(e))
     except Exception as e:   # the engine died mid-stream: tell the client, in-band
         yield sse(create_error_response(f"{type(e).__name__}: {e}", "InternalServerError", 500))

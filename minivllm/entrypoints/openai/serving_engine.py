@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
 
@@ -13,7 +16,8 @@ from .protocol import ErrorInfo, ErrorResponse
 from .serving_models import OpenAIServingModels
 
 # %% auto #0
-__all__ = ['SAMPLING_FIELDS', 'create_error_response', 'param_of', 'OpenAIServing', 'listen_for_disconnect', 'with_cancellation']
+__all__ = ['INT_FIELD_LIMIT', 'GUIDED_FIELDS', 'SAMPLING_FIELDS', 'REQUEST_FIELDS', 'create_error_response', 'param_of',
+           'max_n_sequences', 'check_request_fields', 'OpenAIServing', 'listen_for_disconnect', 'with_cancellation']
 
 # %% ../../../nbs/55_serving_engine.ipynb #80ae0868
 def create_error_response(message: str, err_type: str = "BadRequestError", status_code: HTTPStatus | int = HTTPStatus.BAD_REQUEST,
@@ -27,23 +31,113 @@ def param_of(message: str, known: tuple[str, ...]) -> str | None:
     return head if head in known else None
 
 # %% ../../../nbs/55_serving_engine.ipynb #5d459b37
+INT_FIELD_LIMIT = 2 ** 64  # no engine integer (int64 or uint64) reaches this magnitude
+GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "guided_whitespace_pattern", "functions", "function_call")
+
+def max_n_sequences() -> int:
+    """The largest `n` a request may ask for: `MINIVLLM_MAX_N_SEQUENCES`, default 128 (OpenAI's limit).
+    Source: vLLM envs.py `VLLM_MAX_N_SEQUENCES` (vLLM's default is 16384)."""
+    return int(os.environ.get("MINIVLLM_MAX_N_SEQUENCES", "128"))
+
+def _bad_value(value: Any) -> str | None:
+    "'surrogate' or 'integer' if `value` (JSON-shaped, nested) holds a lone surrogate or an out-of-range int."
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return "surrogate"
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int):
+            if abs(v) >= INT_FIELD_LIMIT:
+                return "integer"
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif hasattr(v, "__pydantic_fields__"):
+            stack.extend(value for _, value in v)
+    return None
+
+def check_request_fields(request: Any) -> ErrorResponse | None:
+    """A 400 naming the first field of `request` (a protocol model) that no handler can take: a lone
+    surrogate, an integer of 2**64 or more, `n` outside [1, max_n_sequences()], or a feature not built
+    yet (`tools`, `tool_choice` other than "none", `response_format` other than text, guided decoding)."""
+    for name, value in request:
+        problem = _bad_value(value)
+        if problem == "surrogate":
+            return create_error_response(f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode).",
+                                         param=name)
+        if problem == "integer":
+            return create_error_response(f"{name}: integer out of range (magnitude must be below 2**64).",
+                                         param=name)
+    n, max_n = getattr(request, "n", 1), max_n_sequences()
+    if n is not None and not 1 <= n <= max_n:
+        return create_error_response(f"n must be in [1, {max_n}], got {n} (MINIVLLM_MAX_N_SEQUENCES sets the "
+                                     "upper limit).", param="n")
+    return _unsupported_feature(request)
+
+def _unsupported_feature(request: Any) -> ErrorResponse | None:
+    if getattr(request, "tools", None):
+        return create_error_response("tools is not supported yet (no tool calling in minivllm); remove it "
+                                     "or set tool_choice to \"none\".", param="tools")
+    if getattr(request, "tool_choice", None) not in (None, "none"):
+        return create_error_response("tool_choice is not supported yet: only \"none\" (or leaving it out).",
+                                     param="tool_choice")
+    fmt = getattr(request, "response_format", None)
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if fmt is not None and kind != "text":
+        return create_error_response(f"response_format of type {kind!r} is not supported yet (structured outputs "
+                                     "are not built); leave it out or use {\"type\": \"text\"}.",
+                                     param="response_format")
+    for name in GUIDED_FIELDS:
+        if getattr(request, name, None) is not None:
+            return create_error_response(f"{name} is not supported yet (no structured outputs / function "
+                                         "calling in minivllm).", param=name)
+    return None
+
+# %% ../../../nbs/55_serving_engine.ipynb #2cacd239
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "stop", "seed",
                    "max_completion_tokens", "prompt_logprobs", "logit_bias", "stop_token_ids", "priority")
+REQUEST_FIELDS = ("prompt", "messages", "chat_template", "chat_template_kwargs", "tokens", "echo", "model")
 
 class OpenAIServing:
     """Shared front half of every OpenAI handler. `engine_client`: an `AsyncLLM`; `models`: the served names.
     Source: vLLM entrypoints/openai/serving_engine.py `OpenAIServing`."""
     request_id_prefix = "req"
 
-    def __init__(self, engine_client: Any, models: OpenAIServingModels, max_model_len: int):
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, max_model_len: int,
+                 tokenizer_executor: ThreadPoolExecutor | None = None):
         self.engine_client, self.models, self.max_model_len = engine_client, models, max_model_len
         self.tokenizer = engine_client.get_tokenizer()
         # the most logprobs a request may ask for: the engine's max_logprobs (-1: the whole vocabulary), else vLLM's 20
         limit = getattr(getattr(engine_client, "model_config", None), "max_logprobs", 20)
         self.max_logprobs = len(self.tokenizer) if limit == -1 else limit
+        # shared by the handlers of one app (build_app passes one); Source: vLLM serving_engine.py `_tokenizer_executor`
+        self.tokenizer_executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer")
+        self._max_token_chars: int | None = None
 
     create_error_response = staticmethod(create_error_response)
+
+    async def _run_blocking(self, fn: Callable, *args: Any) -> Any:
+        "`fn(*args)` on the tokenizer thread; the event loop keeps serving meanwhile."
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
+
+    def _check_prompt_chars(self, text: str, prompt_field: str = "prompt") -> None:
+        "Raise `ValueError` (naming `prompt_field`) if `text` cannot fit in `max_model_len` tokens however it tokenizes."
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max(map(len, vocab), default=0) or 64
+        limit = self.max_model_len * self._max_token_chars
+        if len(text) > limit:
+            raise ValueError(f"{prompt_field}: {len(text)} characters cannot fit in this model's maximum context "
+                             f"length of {self.max_model_len} tokens (at most {limit} characters).")
 
     async def _check_model(self, request: Any) -> ErrorResponse | None:
         if request.model is None or self.models.is_base_model(request.model): return None
@@ -51,7 +145,9 @@ class OpenAIServing:
                                      f"{', '.join(self.models.served_model_names)}.", param="model")
 
     def _tokenize_prompt_input(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str): return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        if isinstance(prompt, str):
+            self._check_prompt_chars(prompt)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         vocab = len(self.tokenizer)
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab}).")
@@ -73,8 +169,10 @@ class OpenAIServing:
                 f"the length of the {prompt_field} or completion (max_tokens).", param="max_tokens")
         return max_tokens, None
 
-    def _error_from_value_error(self, e: ValueError) -> ErrorResponse:
-        return create_error_response(str(e), param=param_of(str(e), SAMPLING_FIELDS + ("prompt", "messages")))
+    def _error_from_value_error(self, e: Exception) -> ErrorResponse:
+        "A 400 for a request the engine side refused (`ValueError`, or `OverflowError` of an encoder)."
+        known = SAMPLING_FIELDS + REQUEST_FIELDS
+        return create_error_response(str(e), param=param_of(str(e), known))
 
     def _decode_token(self, token_id: int, logprob: Any = None) -> str:
         "The text of one token (the engine's detokenized piece when it provides one)."

@@ -10,6 +10,7 @@ from typing import Any
 from minivllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeChatRequest,
     TokenizeRequest, TokenizeResponse)
 from .serving_chat import OpenAIServingChat
+from .serving_engine import check_request_fields
 
 # %% auto #0
 __all__ = ['OpenAIServingTokenization']
@@ -19,21 +20,29 @@ class OpenAIServingTokenization(OpenAIServingChat):
     """`POST /tokenize`, `POST /detokenize`. A chat request is rendered exactly as the chat endpoint renders it.
     Source: vLLM entrypoints/openai/serving_tokenization.py `OpenAIServingTokenization`."""
     async def create_tokenize(self, request: TokenizeRequest, raw_request: Any = None) -> TokenizeResponse | ErrorResponse:
+        if (err := check_request_fields(request)) is not None: return err
         if (err := await self._check_model(request)) is not None: return err
+        if (err := self._check_chat_template(request)) is not None: return err
         try:
-            if isinstance(request, TokenizeChatRequest):
-                _, ids = self._render(request)
-                if request.add_special_tokens:   # rare: the template usually carries them already
-                    ids = list(self.tokenizer.build_inputs_with_special_tokens(ids))
-            else: ids = self._tokenize_prompt_input(request.prompt, add_special_tokens=request.add_special_tokens)
-        except ValueError as e: return self._error_from_value_error(e)
-        except Exception as e: return self.create_error_response(f"messages: the chat template failed to render: {e}", param="messages")
+            return await self._run_blocking(self._tokenize, request)
+        except ValueError as e:
+            return self._error_from_value_error(e)
+
+    def _tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        "Blocking: runs on the tokenizer thread. Raises `ValueError` naming the field."
+        if isinstance(request, TokenizeChatRequest):
+            _, ids = self._render(request)
+            if request.add_special_tokens:   # rare: the template usually carries them already
+                ids = list(self.tokenizer.build_inputs_with_special_tokens(ids))
+        else:
+            ids = self._tokenize_prompt_input(request.prompt, add_special_tokens=request.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     async def create_detokenize(self, request: DetokenizeRequest, raw_request: Any = None) -> DetokenizeResponse | ErrorResponse:
+        if (err := check_request_fields(request)) is not None: return err
         if (err := await self._check_model(request)) is not None: return err
         vocab = len(self.tokenizer)
         if bad := [t for t in request.tokens if not 0 <= t < vocab]:
             return self.create_error_response(f"tokens: token id {bad[0]} is out of vocabulary (must be in [0, {vocab})).", param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await self._run_blocking(self.tokenizer.decode, request.tokens))

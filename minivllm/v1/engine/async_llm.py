@@ -378,7 +378,9 @@ async def generate(self: AsyncLLM, prompt: str | dict, sampling_params: Sampling
             finished = out.finished
             yield out
     except (asyncio.CancelledError, GeneratorExit):
-        if not finished: self._abort_nowait([request_id])
+        if not finished:
+            self._abort_nowait([request_id])
+            self._record_abort(request_id)
         raise
     except BaseException:
         if not finished and not self.errored: self._abort_nowait([request_id])
@@ -388,7 +390,19 @@ async def generate(self: AsyncLLM, prompt: str | dict, sampling_params: Sampling
         self._req_stats.pop(request_id, None)
         self._req_n.pop(request_id, None)
 
-AsyncLLM.generate = generate
+def _record_abort(self: AsyncLLM, request_id: str) -> None:
+    """Record the `FinishedRequestStats` of a request that ended by abort (its client left, or `abort()`), once:
+    its front-end stats are popped. Source: vLLM v1/engine/output_processor.py (aborts counted, vLLM #31503)."""
+    state = self._req_stats.pop(request_id, None)
+    if state is None or not self.log_stats:
+        return
+    stats = IterationStats()
+    stats.finished_requests.append(FinishedRequestStats(
+        finish_reason="abort", e2e_latency=time.monotonic() - state.arrival_time,
+        num_prompt_tokens=state.num_prompt_tokens or 0, num_generation_tokens=state.num_generation_tokens))
+    self._record_stats(None, stats)
+
+AsyncLLM.generate, AsyncLLM._record_abort = generate, _record_abort
 
 # %% ../../../nbs/51_async_llm.ipynb #64b18566
 async def abort(self: AsyncLLM, request_id: str | list[str]) -> None:
@@ -401,6 +415,7 @@ async def abort(self: AsyncLLM, request_id: str | list[str]) -> None:
         if internal and not self.errored: await self.engine_core.abort_requests_async(internal)
     for rid in ids:
         if (q := self._collectors.get(rid)) is not None:
+            self._record_abort(rid)
             n = self._req_n.get(rid, 1)
             q.put(RequestOutput(rid, None, [], [CompletionOutput(i, "", [], finish_reason="abort") for i in range(n)], True))
 

@@ -176,9 +176,10 @@ from . import EngineCoreOutput, EngineCoreRequestType, FinishReason
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 READY = b"READY"
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(ipc_addresses: tuple[str, ...] = ()) -> None:
     """In a spawned engine process: stop when the process that started it dies, however it died (SIGKILL,
-    an unhandled SIGTERM): a daemon thread waits on the parent's sentinel, then SIGTERMs this process so the
+    an unhandled SIGTERM): a daemon thread waits on the parent's sentinel, removes the front end's IPC socket
+    files (`ipc://` paths in `ipc_addresses`: a killed front end cannot), then SIGTERMs this process so the
     normal shutdown runs (its workers follow through their own death pipes); a hard exit if that hangs.
     Source: the role of vLLM's parent-death handling in v1/engine/core.py (role)."""
     parent = multiprocessing.parent_process()
@@ -186,6 +187,12 @@ def _exit_with_parent() -> None:
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
         logger.warning("EngineCore: the front-end process is gone; shutting down")
+        for address in ipc_addresses:
+            if address.startswith("ipc://"):
+                try:
+                    os.unlink(address.removeprefix("ipc://"))
+                except OSError:
+                    pass
         os.kill(os.getpid(), signal.SIGTERM)
         threading.Event().wait(10)
         os._exit(1)
@@ -219,7 +226,7 @@ class EngineCoreProc(EngineCore):
         def _term(signum, frame): raise SystemExit(0)
         signal.signal(signal.SIGTERM, _term)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client decides when we stop
-        _exit_with_parent()
+        _exit_with_parent((kwargs.get("input_address", ""), kwargs.get("output_address", "")))
         engine_core = None
         try:
             engine_core = EngineCoreProc(*args, **kwargs)
