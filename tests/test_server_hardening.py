@@ -363,3 +363,11 @@ def test_sigterm_drain_is_bounded(tmp_path, second_signal):
         t.join(60)
     assert not got["done"] and got["chunks"] < 4000, got   # the stream was cut, not waited for
     assert _tmp_files(tmpdir) == []
+
+
+@pytest.mark.parametrize("body,param", [({"logit_bias": {str(2 ** 70): 1}}, "logit_bias"),
+                                        ({"stop_token_ids": [2 ** 63]}, "stop_token_ids"),
+                                        ({"top_k": 2 ** 63}, "top_k")])
+def test_sampling_params_refusals_are_400s(real, body, param):
+    "Values only SamplingParams can judge (its ValueErrors) reach the client as 400s naming the field."
+    assert _error(real, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2, **body})["param"] == param

@@ -79,8 +79,8 @@ class RequestSizeLimitMiddleware:
                 chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         if size > self.max_bytes:
-            err = create_error_response(f"Request body too large: more than {self.max_bytes} bytes (the server's "
-                                        "--max-request-body-bytes).", "RequestTooLargeError", 413)
+            message = f"Request body too large: more than {self.max_bytes} bytes (--max-request-body-bytes)."
+            err = create_error_response(message, "RequestTooLargeError", 413)
             await JSONResponse(err.model_dump(), status_code=413)(scope, receive, send)
             return
         body, replayed = b"".join(chunks), False
@@ -289,6 +289,7 @@ async def watch_engine(server: Any, engine_client: Any, state: dict, interval: f
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"terminated by signal {signum}")
 
+# %% ../../../nbs/58_api_server.ipynb #0a00b374
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, where a second SIGTERM ends the drain at once, as a second Ctrl-C does in uvicorn (the
     open requests are cancelled, which aborts them in the engine). The first signal drains for at most the
@@ -301,6 +302,7 @@ class DrainingServer(uvicorn.Server):
                 task.cancel()
         super().handle_exit(sig, frame)
 
+# %% ../../../nbs/58_api_server.ipynb #83af2637
 def run_server(args: Any) -> None:
     """Serve until interrupted (SIGINT or SIGTERM: both shut the engine down in order, removing its IPC files).
     Open requests get `args.shutdown_timeout` seconds to finish, then are cancelled; a second signal cancels them

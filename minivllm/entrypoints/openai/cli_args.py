@@ -86,7 +86,8 @@ class ServeSubcommand:
 
     def validate(self, args: argparse.Namespace) -> None:
         if not 0 <= args.port < 65536: raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
-        if not args.shutdown_timeout >= 0: raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
+        if not args.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser("serve", help="Start the OpenAI-compatible API server.",

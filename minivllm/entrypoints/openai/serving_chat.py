@@ -89,34 +89,6 @@ class OpenAIServingChat(OpenAIServing):
         return create_error_response("Chat template is passed with request, but --trust-request-chat-template is not "
                                      "set. Refused request with untrusted chat template.", param="chat_template")
 
-    def _render(self, request) -> tuple[str, list[int]]:
-        """Prompt text and token ids of a chat request (template applied, no special tokens added on top).
-        Blocking. Raises `ValueError` starting with the field to blame."""
-        kwargs = dict(request.chat_template_kwargs or {})
-        kwargs.pop("chat_template", None)
-        if reserved := sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS):
-            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here (use the request fields).")
-        request_template = _request_template(request)
-        messages = parse_chat_messages(request.messages)
-        try:
-            text = apply_chat_template(self.tokenizer, messages, request_template or self.chat_template,
-                                       request.add_generation_prompt, request.continue_final_message, **kwargs)
-        except ValueError:
-            raise
-        except Exception as e:   # a template that fails to render (a jinja error) is the request's fault
-            field = "chat_template" if request_template else "chat_template_kwargs" if kwargs else "messages"
-            raise ValueError(f"{field}: the chat template failed to render: {type(e).__name__}: {e}") from e
-        self._check_prompt_chars(text, "messages")
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _prepare(self, request) -> tuple[str, list[int], Any] | ErrorResponse:
-        "(prompt text, token ids, SamplingParams), or the length error. Blocking: runs on the tokenizer thread."
-        text, ids = self._render(request)
-        max_tokens, err = self._validate_input(ids, request.requested_max_tokens(), "messages")
-        if err is not None:
-            return err
-        return text, ids, request.to_sampling_params(max_tokens, self.max_logprobs)
-
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None
                                      ) -> ChatCompletionResponse | AsyncGenerator[str, None] | ErrorResponse:
         "An `ErrorResponse` (nothing was sent to the engine), a `ChatCompletionResponse`, or an SSE generator (`stream=true`)."
@@ -141,6 +113,37 @@ class OpenAIServingChat(OpenAIServing):
             except (ValueError, OverflowError) as e: return self._error_from_value_error(e)
             return self.chat_completion_stream_generator(request, _chain(first, gen), request_id, model_name, len(ids), params.logprobs)
         return await self.chat_completion_full_generator(request, gen, request_id, model_name, len(ids), params.logprobs)
+
+# %% ../../../nbs/57_serving_chat.ipynb #3a682f6b
+def _render(self: OpenAIServingChat, request: Any) -> tuple[str, list[int]]:
+    """Prompt text and token ids of a chat request (template applied, no special tokens added on top).
+    Blocking. Raises `ValueError` starting with the field to blame."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    kwargs.pop("chat_template", None)
+    if reserved := sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS):
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here (use the request fields).")
+    request_template = _request_template(request)
+    messages = parse_chat_messages(request.messages)
+    try:
+        text = apply_chat_template(self.tokenizer, messages, request_template or self.chat_template,
+                                   request.add_generation_prompt, request.continue_final_message, **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:   # a template that fails to render (a jinja error) is the request's fault
+        field = "chat_template" if request_template else "chat_template_kwargs" if kwargs else "messages"
+        raise ValueError(f"{field}: the chat template failed to render: {type(e).__name__}: {e}") from e
+    self._check_prompt_chars(text, "messages")
+    return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+def _prepare(self: OpenAIServingChat, request: Any) -> tuple[str, list[int], Any] | ErrorResponse:
+    "(prompt text, token ids, SamplingParams), or the length error. Blocking: runs on the tokenizer thread."
+    text, ids = self._render(request)
+    max_tokens, err = self._validate_input(ids, request.requested_max_tokens(), "messages")
+    if err is not None:
+        return err
+    return text, ids, request.to_sampling_params(max_tokens, self.max_logprobs)
+
+OpenAIServingChat._render, OpenAIServingChat._prepare = _render, _prepare
 
 # %% ../../../nbs/57_serving_chat.ipynb #c8dcbd90
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -189,7 +192,7 @@ def _create_chat_logprobs(self: OpenAIServingChat, token_ids: list[int], top_log
 
 OpenAIServingChat._create_chat_logprobs = _create_chat_logprobs
 
-# %% ../../../nbs/57_serving_chat.ipynb #3a682f6b
+# %% ../../../nbs/57_serving_chat.ipynb #7342ad7e
 async def chat_completion_full_generator(self: OpenAIServingChat, request: ChatCompletionRequest, gen, request_id: str,
                                          model_name: str, num_prompt_tokens: int, num_logprobs: int | None) -> ChatCompletionResponse | ErrorResponse:
     final = None
@@ -209,6 +212,9 @@ async def chat_completion_full_generator(self: OpenAIServingChat, request: ChatC
                                                   total_tokens=num_prompt_tokens + num_gen),
                                   prompt_logprobs=clamp_prompt_logprobs(final.prompt_logprobs))
 
+OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
+
+# %% ../../../nbs/57_serving_chat.ipynb #a6845a39
 async def chat_completion_stream_generator(self: OpenAIServingChat, request: ChatCompletionRequest, gen, request_id: str,
                                            model_name: str, num_prompt_tokens: int, num_logprobs: int | None) -> AsyncGenerator[str, None]:
     created = int(time.time())
@@ -250,5 +256,4 @@ async def chat_completion_stream_generator(self: OpenAIServingChat, request: Cha
         yield sse(create_error_response(f"{type(e).__name__}: {e}", "InternalServerError", 500))
     yield "data: [DONE]\n\n"
 
-OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
 OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator

@@ -71,18 +71,20 @@ def check_request_fields(request: Any) -> ErrorResponse | None:
     for name, value in request:
         problem = _bad_value(value)
         if problem == "surrogate":
-            return create_error_response(f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode).",
-                                         param=name)
+            message = f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode)."
+            return create_error_response(message, param=name)
         if problem == "integer":
-            return create_error_response(f"{name}: integer out of range (magnitude must be below 2**64).",
-                                         param=name)
+            message = f"{name}: integer out of range (magnitude must be below 2**64)."
+            return create_error_response(message, param=name)
     n, max_n = getattr(request, "n", 1), max_n_sequences()
     if n is not None and not 1 <= n <= max_n:
         return create_error_response(f"n must be in [1, {max_n}], got {n} (MINIVLLM_MAX_N_SEQUENCES sets the "
                                      "upper limit).", param="n")
     return _unsupported_feature(request)
 
+# %% ../../../nbs/55_serving_engine.ipynb #2cacd239
 def _unsupported_feature(request: Any) -> ErrorResponse | None:
+    "A 400 naming the first field asking for a feature minivllm does not have yet, else None."
     if getattr(request, "tools", None):
         return create_error_response("tools is not supported yet (no tool calling in minivllm); remove it "
                                      "or set tool_choice to \"none\".", param="tools")
@@ -92,16 +94,16 @@ def _unsupported_feature(request: Any) -> ErrorResponse | None:
     fmt = getattr(request, "response_format", None)
     kind = fmt.get("type") if isinstance(fmt, dict) else fmt
     if fmt is not None and kind != "text":
-        return create_error_response(f"response_format of type {kind!r} is not supported yet (structured outputs "
-                                     "are not built); leave it out or use {\"type\": \"text\"}.",
-                                     param="response_format")
+        message = (f"response_format of type {kind!r} is not supported yet (structured outputs are not built); "
+                   "leave it out or use {\"type\": \"text\"}.")
+        return create_error_response(message, param="response_format")
     for name in GUIDED_FIELDS:
         if getattr(request, name, None) is not None:
             return create_error_response(f"{name} is not supported yet (no structured outputs / function "
                                          "calling in minivllm).", param=name)
     return None
 
-# %% ../../../nbs/55_serving_engine.ipynb #2cacd239
+# %% ../../../nbs/55_serving_engine.ipynb #e62d564c
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "stop", "seed",
                    "max_completion_tokens", "prompt_logprobs", "logit_bias", "stop_token_ids", "priority")
@@ -124,20 +126,6 @@ class OpenAIServing:
         self._max_token_chars: int | None = None
 
     create_error_response = staticmethod(create_error_response)
-
-    async def _run_blocking(self, fn: Callable, *args: Any) -> Any:
-        "`fn(*args)` on the tokenizer thread; the event loop keeps serving meanwhile."
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
-
-    def _check_prompt_chars(self, text: str, prompt_field: str = "prompt") -> None:
-        "Raise `ValueError` (naming `prompt_field`) if `text` cannot fit in `max_model_len` tokens however it tokenizes."
-        if self._max_token_chars is None:
-            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
-            self._max_token_chars = max(map(len, vocab), default=0) or 64
-        limit = self.max_model_len * self._max_token_chars
-        if len(text) > limit:
-            raise ValueError(f"{prompt_field}: {len(text)} characters cannot fit in this model's maximum context "
-                             f"length of {self.max_model_len} tokens (at most {limit} characters).")
 
     async def _check_model(self, request: Any) -> ErrorResponse | None:
         if request.model is None or self.models.is_base_model(request.model): return None
@@ -178,6 +166,23 @@ class OpenAIServing:
         "The text of one token (the engine's detokenized piece when it provides one)."
         text = getattr(logprob, "decoded_token", None)
         return text if text is not None else self.tokenizer.decode([token_id])
+
+# %% ../../../nbs/55_serving_engine.ipynb #94c4bc27
+async def _run_blocking(self: OpenAIServing, fn: Callable, *args: Any) -> Any:
+    "`fn(*args)` on the tokenizer thread; the event loop keeps serving meanwhile."
+    return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
+
+def _check_prompt_chars(self: OpenAIServing, text: str, prompt_field: str = "prompt") -> None:
+    "Raise `ValueError` (naming `prompt_field`) if `text` cannot fit in `max_model_len` tokens however it tokenizes."
+    if self._max_token_chars is None:
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        self._max_token_chars = max(map(len, vocab), default=0) or 64
+    limit = self.max_model_len * self._max_token_chars
+    if len(text) > limit:
+        raise ValueError(f"{prompt_field}: {len(text)} characters cannot fit in this model's maximum context "
+                         f"length of {self.max_model_len} tokens (at most {limit} characters).")
+
+OpenAIServing._run_blocking, OpenAIServing._check_prompt_chars = _run_blocking, _check_prompt_chars
 
 # %% ../../../nbs/55_serving_engine.ipynb #24f2e55e
 async def listen_for_disconnect(raw_request: Any) -> None:
