@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast export clean-nbs docs bench
+.PHONY: install demo test test-fast export lint clean-nbs docs bench
 
 $(STAMP): setup.py settings.ini
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,8 +37,15 @@ export: install
 	$(BIN)/nbdev_export
 	cd nbs/kernels && ../../$(BIN)/nbdev_export
 
+# ruff (config in pyproject.toml): the notebooks are the source, checked and format-checked; the exported
+# packages are checked too (for what the notebook check cannot see, e.g. an import only a test cell uses).
+lint: install
+	$(BIN)/ruff check nbs minivllm kernels
+	$(BIN)/ruff format --check nbs
+
 clean-nbs: install
 	$(BIN)/nbdev_clean
 
+# The docs site builder lives in tools/docs/ (not in the package): see tools/docs/README.md.
 docs: install
-	$(BIN)/python -m minivllm.docs_build
+	$(BIN)/python tools/docs/build.py

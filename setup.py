@@ -17,7 +17,7 @@ extras = {
             "ruff==0.17.6",  # `make lint` (pyproject.toml [tool.ruff])
             # Triton kernels (kernels/): tested on the CPU under TRITON_INTERPRET=1; not needed at runtime there
             "triton==3.6.0; platform_system == 'Linux'",
-            # the docs site (`make docs`, nbs/95_docs_site.ipynb) and its headless-browser test
+            # the docs site (`make docs`, tools/docs/) and its headless-browser test
             "sphinx==9.0.4", "myst-nb==1.4.0", "furo==2025.12.19", "websocket-client==1.9.2"],
     "embedded": ["gguf"],
     "serve": ["fastapi", "uvicorn", "prometheus-client"],

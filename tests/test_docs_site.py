@@ -1,4 +1,4 @@
-"""The docs site (nbs/95_docs_site.ipynb): built offline into a temp dir, checked statically, then in
+"""The docs site (tools/docs/, `make docs`): built offline into a temp dir, checked statically, then in
 headless Chromium (DevTools protocol over websocket-client) with the network blocked."""
 import base64
 import html
@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -15,10 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.docs_build import (DIAGRAM_FENCE, KEY_NAMES, MAIN_SEED, build_site, discover_chapters, find_repo, find_seeds,
-                                 module_api)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `tools.docs` is not installed: import it from the repo root
 
-REPO = find_repo(Path(__file__).parent)
+from tools.docs.api import KEY_NAMES, module_api  # noqa: E402
+from tools.docs.build import build_site  # noqa: E402
+from tools.docs.chapters import DIAGRAM_FENCE, discover_chapters  # noqa: E402
+from tools.docs.seeds import MAIN_SEED, find_seeds  # noqa: E402
+
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 SCREENSHOTS = Path(os.environ.get("DOCS_SCREENSHOT_DIR", REPO / "build" / "docs-screenshots"))
 _MERMAID_FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})[ \t]*\{?mermaid\}?[ \t]*$", re.M)
@@ -92,7 +97,7 @@ def test_mermaid_blocks_become_diagram_containers(site, chapters):
 
 
 def test_diagrams_use_one_fence(chapters):
-    "Every diagram opens with the project's one fence, `DIAGRAM_FENCE` (see nbs/95_docs_site.ipynb)."
+    "Every diagram opens with the project's one fence, `DIAGRAM_FENCE` (see tools/docs/README.md)."
     for ch in chapters:
         for m in _MERMAID_FENCE.finditer(_markdown(ch.path)):
             assert m.group(0).strip() == DIAGRAM_FENCE, f"{ch.path.name}: use {DIAGRAM_FENCE}, not {m.group(0).strip()!r}"
@@ -183,7 +188,6 @@ def test_builds_without_seeds_and_shows_saved_outputs(tmp_path):
     repo = tmp_path / "repo"
     (repo / "nbs").mkdir(parents=True)
     for name in ["settings.ini", "README.md"]: shutil.copy(REPO / name, repo / name)
-    shutil.copytree(REPO / "docs" / "assets", repo / "docs" / "assets")
     (repo / "minivllm").mkdir()
     shutil.copy(REPO / "minivllm" / "sampling_params.py", repo / "minivllm")
     real = next(p for p in sorted((REPO / "nbs").glob("0[1-9]*_*.ipynb")) if _MERMAID_FENCE.search(_markdown(p)))

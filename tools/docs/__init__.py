@@ -1,0 +1,1 @@
+"""The docs site builder (`make docs`, `python tools/docs/build.py`): see tools/docs/README.md."""
