@@ -2496,4 +2496,12 @@ d = { 'settings': { 'branch': 'main',
                                                'minivllm.v1.worker.gpu_worker.cpu_num_threads': ( 'worker.html#cpu_num_threads',
                                                                                                   'minivllm/v1/worker/gpu_worker.py'),
                                                'minivllm.v1.worker.gpu_worker.set_random_seed': ( 'worker.html#set_random_seed',
-                                                                                                  'minivllm/v1/worker/gpu_worker.py')}}}
+                                                                                                  'minivllm/v1/worker/gpu_worker.py')},
+            'minivllm.v1.worker.kv_connector_model_runner_mixin': { 'minivllm.v1.worker.kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin': ( 'kv_connector_model_runner_mixin.html#kvconnectormodelrunnermixin',
+                                                                                                                                                        'minivllm/v1/worker/kv_connector_model_runner_mixin.py'),
+                                                                    'minivllm.v1.worker.kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin._get_kv_connector_output': ( 'kv_connector_model_runner_mixin.html#kvconnectormodelrunnermixin._get_kv_connector_output',
+                                                                                                                                                                                 'minivllm/v1/worker/kv_connector_model_runner_mixin.py'),
+                                                                    'minivllm.v1.worker.kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin.kv_connector_no_forward': ( 'kv_connector_model_runner_mixin.html#kvconnectormodelrunnermixin.kv_connector_no_forward',
+                                                                                                                                                                                'minivllm/v1/worker/kv_connector_model_runner_mixin.py'),
+                                                                    'minivllm.v1.worker.kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin.maybe_get_kv_connector_output': ( 'kv_connector_model_runner_mixin.html#kvconnectormodelrunnermixin.maybe_get_kv_connector_output',
+                                                                                                                                                                                      'minivllm/v1/worker/kv_connector_model_runner_mixin.py')}}}
