@@ -67,7 +67,8 @@ class RequestResult:
 
 
 async def stream_request(host: str, port: int, path: str, body: dict, api_key: str | None, idx: int) -> RequestResult:
-    "POST `body`, read the SSE stream to `[DONE]`, time each chunk."
+    """POST `body`, read the SSE stream to `[DONE]`, time each chunk. A stream that ends without `[DONE]` (the
+    server died or cut the connection mid-answer) is a failure, like an error chunk or a non-200 status."""
     res = RequestResult(prompt_idx=idx)
     payload = json.dumps(body).encode()
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
@@ -87,7 +88,7 @@ async def stream_request(host: str, port: int, path: str, body: dict, api_key: s
         if status != 200:
             res.error = f"HTTP {status}: {(await reader.read())[:300]!r}"
             return res
-        last, parts, buf = start, [], b""
+        last, parts, buf, done = start, [], b"", False
         async def lines():
             nonlocal buf
             while True:
@@ -106,7 +107,9 @@ async def stream_request(host: str, port: int, path: str, body: dict, api_key: s
         async for line in lines():
             if not line.startswith(b"data: "): continue
             data = line[6:].strip()
-            if data == b"[DONE]": break
+            if data == b"[DONE]":
+                done = True
+                break
             chunk = json.loads(data)
             if "error" in chunk: res.error = chunk["error"]["message"]; return res
             if chunk.get("usage"):
@@ -122,6 +125,9 @@ async def stream_request(host: str, port: int, path: str, body: dict, api_key: s
             parts.append(piece)
         res.latency = time.perf_counter() - start
         res.text = "".join(parts)
+        if not done:
+            res.error = f"the stream ended without [DONE] after {len(parts)} chunks"
+            return res
         res.ok = True
     except Exception as e:
         res.error = f"{type(e).__name__}: {e}"

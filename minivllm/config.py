@@ -16,8 +16,9 @@ import torch
 from .compilation_config import CUDAGraphMode, CompilationConfig  # re-exported: vLLM has them in vllm.config
 
 # %% auto #0
-__all__ = ['DTYPE_CHOICES', 'resolve_dtype', 'ModelConfig', 'CacheConfig', 'SchedulerConfig', 'ParallelConfig', 'DeviceConfig',
-           'VllmConfig', 'set_current_vllm_config', 'get_current_vllm_config']
+__all__ = ['DTYPE_CHOICES', 'MAX_BLOCK_SIZE', 'resolve_dtype', 'verify_seed', 'verify_block_size', 'ModelConfig', 'CacheConfig',
+           'SchedulerConfig', 'ParallelConfig', 'DeviceConfig', 'VllmConfig', 'set_current_vllm_config',
+           'get_current_vllm_config']
 
 # %% ../nbs/01_config.ipynb #c0b325d0
 _STR_DTYPE = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -42,7 +43,25 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any = None) -> torch.dtyp
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     return _STR_DTYPE[dtype]
 
-# %% ../nbs/01_config.ipynb #6bc48635
+# %% ../nbs/01_config.ipynb #7b5e332c
+MAX_BLOCK_SIZE = 256
+
+def verify_seed(seed: Any) -> None:
+    """Raise `ValueError` naming `seed` unless it is an int (not a bool) in [0, 2**32), the range numpy's
+    `np.random.seed` accepts. Source: vLLM config/model.py `ModelConfig.seed` (the range: vLLM's
+    `set_random_seed`, which seeds numpy too)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32) (it seeds random, numpy, torch); got {seed!r}")
+
+def verify_block_size(block_size: Any) -> None:
+    """Raise `ValueError` naming `block_size` unless it is a power of two from 1 to 256 (tokens per KV block).
+    Source: vLLM config/cache.py `BlockSize` (1, 8, ..., 256; minivllm also allows 2 and 4)."""
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not (ok and 1 <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0):
+        raise ValueError(f"block_size must be a power of two from 1 to {MAX_BLOCK_SIZE} (vLLM allows 1, 8, "
+                         f"16, 32, 64, 128, 256; minivllm also 2 and 4); got {block_size!r}")
+
+# %% ../nbs/01_config.ipynb #6522bb2d
 @dataclass
 class ModelConfig:
     """The model to serve: a local Hugging Face checkpoint folder and how to run it.
@@ -52,7 +71,8 @@ class ModelConfig:
     size); the `InputProcessor` refuses larger requests, because computing top-k over more than that is
     costly and over more than the vocabulary fails.
     Raises `ValueError` if the folder or its config.json is missing, `max_model_len` exceeds the
-    model's context length, or `max_logprobs` < -1. Source: vLLM config/model.py `ModelConfig`."""
+    model's context length, `max_logprobs` < -1, or `seed` is not an int in [0, 2**32).
+    Source: vLLM config/model.py `ModelConfig`."""
     model: str
     tokenizer: str | None = None
     dtype: str | torch.dtype = "auto"
@@ -65,6 +85,7 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        verify_seed(self.seed)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= -1 (-1 = the vocabulary size); got {self.max_logprobs!r}")
         path = Path(self.model)
@@ -107,12 +128,13 @@ class ModelConfig:
         return getattr(self.hf_text_config, "max_position_embeddings", None) or 2048
     def get_sliding_window(self) -> int | None: return getattr(self.hf_text_config, "sliding_window", None)
 
-# %% ../nbs/01_config.ipynb #7b5e332c
+# %% ../nbs/01_config.ipynb #d2d29fbd
 @dataclass
 class CacheConfig:
     """KV cache layout and budget. Source: vLLM config/cache.py `CacheConfig`.
 
-    `block_size`: tokens per block (>= 1). `kv_cache_memory_bytes`: bytes for all layers' K and V;
+    `block_size`: tokens per block, a power of two from 1 to 256 (`verify_block_size`).
+    `kv_cache_memory_bytes`: bytes for all layers' K and V;
     None = `gpu_memory_utilization` on CUDA, `MINIVLLM_CPU_KVCACHE_SPACE` GiB (default 1) on the CPU.
     Raises `ValueError` naming the field for out-of-range values (`kv_cache_memory_bytes` must be > 0)."""
     block_size: int = 16
@@ -125,7 +147,7 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # set by EngineCore after profiling
 
     def __post_init__(self):
-        if self.block_size < 1: raise ValueError(f"block_size must be >= 1; got {self.block_size}")
+        verify_block_size(self.block_size)
         if self.kv_cache_memory_bytes is not None and not (
                 isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0):
             raise ValueError(f"kv_cache_memory_bytes must be > 0 (bytes for the whole KV cache); got {self.kv_cache_memory_bytes!r}")

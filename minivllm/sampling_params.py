@@ -5,6 +5,7 @@
 # %% ../nbs/02_sampling_params.ipynb #75bc9bbc
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 
 import msgspec
@@ -29,13 +30,23 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2
 
 # %% ../nbs/02_sampling_params.ipynb #7c95064f
-def _check_int(name: str, v) -> None:
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+def _check_int(name: str, v, signed64: bool = True) -> None:
+    "ValueError naming `name` unless `v` is an int (not a bool), in [-2**63, 2**63) when `signed64`."
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}.")
+    if signed64 and not _INT64_MIN <= v <= _INT64_MAX:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer [-2**63, 2**63), got {v}.")
 
 def _as_token_id(name: str, k) -> int:
     "A token id given as int or as a decimal string (JSON object keys are strings)."
-    if isinstance(k, str) and k.strip().lstrip("-").isascii() and k.strip().lstrip("-").isdigit(): return int(k)
+    digits = k.strip().lstrip("-") if isinstance(k, str) else ""
+    if digits.isascii() and digits.isdigit():
+        # Python refuses to convert more than 4300 digits, with a message that does not name the field
+        if len(digits) > 20:
+            raise ValueError(f"{name}: token id {k[:24]}... does not fit in a 64-bit integer.")
+        return int(k)
     _check_int(name, k)
     return k
 
@@ -43,9 +54,10 @@ def _as_token_id(name: str, k) -> int:
 class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
     """Sampling settings of one request. Raises `ValueError` naming the field and its allowed range.
 
-    Ranges: n >= 1; temperature >= 0 (0 = greedy); 0 < top_p <= 1; top_k >= -1 (0/-1 disable);
+    Ranges: n >= 1; 0 <= temperature <= 2, finite (0 = greedy); 0 < top_p <= 1; top_k >= -1 (0/-1 disable);
     0 <= min_p <= 1; max_tokens >= 1 or None; 0 <= min_tokens <= max_tokens; -2 <= presence/frequency
-    penalty <= 2; repetition_penalty > 0; logprobs, prompt_logprobs >= 0 or None; -2**63 <= seed < 2**64;
+    penalty <= 2; repetition_penalty > 0, finite; logprobs, prompt_logprobs >= 0 or None;
+    -2**63 <= seed < 2**64, every other int field (and token id) in [-2**63, 2**63), what msgpack carries;
     stop_token_ids >= 0; logit_bias {token id >= 0: bias in [-100, 100]}; stop strings need detokenize.
     A field of the wrong type (e.g. `max_tokens="5"` or `2.5`) raises `ValueError` naming it too. The upper
     bound of token ids (the vocabulary) and of logprobs (`max_logprobs`) is checked by the `InputProcessor`,
@@ -102,8 +114,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
         if self.n < 1: bad("n", "at least 1")
         if not -2.0 <= self.presence_penalty <= 2.0: bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0: bad("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0: bad("repetition_penalty", "greater than 0")
-        if not self.temperature >= 0.0: bad("temperature", "non-negative (0 means greedy)")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", "greater than 0 and finite")
+        # vLLM's (and OpenAI's) range; infinity or NaN would turn every logit into NaN in the sampler
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", "a finite number in [0, 2] (non-negative; 0 means greedy)")
         if not 0.0 < self.top_p <= 1.0: bad("top_p", "in (0, 1]")
         if self.top_k < -1: bad("top_k", "-1, 0 (disabled) or at least 1")
         if not 0.0 <= self.min_p <= 1.0: bad("min_p", "in [0, 1]")
@@ -127,7 +142,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
         "ValueError naming the field when a value has the wrong type (a str, a float where an int is meant, ...)."
         for name in ("n", "top_k", "min_tokens"): _check_int(name, getattr(self, name))
         for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None: _check_int(name, getattr(self, name))
+            if getattr(self, name) is not None: _check_int(name, getattr(self, name), signed64=name != "seed")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -167,5 +182,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
                 self.stop_token_ids = sorted(eos_ids.union(self.stop_token_ids))
 
     def clone(self) -> "SamplingParams":
-        "A deep copy (used for the children of an n > 1 request)."
-        return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=SamplingParams)
+        """A deep copy (used for the children of an n > 1 request). Raises `ValueError` naming the field
+        when a value set after construction does not fit msgpack (an int beyond 64 bits)."""
+        try: return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=SamplingParams)
+        except OverflowError:
+            self._verify_args()  # callers clone before they validate: say which field does not fit
+            raise

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..compilation_config import CompilationConfig, CUDAGraphMode
 from ..config import DTYPE_CHOICES, CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from ..config import verify_block_size, verify_seed
 
 # %% auto #0
 __all__ = ['EngineArgs']
@@ -21,7 +22,9 @@ __all__ = ['EngineArgs']
 class EngineArgs:
     """Engine settings with vLLM's names. `model=None`/"default" is the embedded SmolLM2-135M-Instruct;
     `max_num_batched_tokens`/`max_num_seqs` None pick 8192 / 256; `distributed_executor_backend` None picks
-    "uni" for one device, "mp" otherwise. Source: vLLM engine/arg_utils.py `EngineArgs`."""
+    "uni" for one device, "mp" otherwise. A `seed` or `block_size` that cannot work raises `ValueError` at
+    construction, before anything slow (model resolution, engine start-up). Source: vLLM engine/arg_utils.py
+    `EngineArgs`."""
     model: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
@@ -50,6 +53,11 @@ class EngineArgs:
     disable_log_stats: bool = False
     compilation_config: dict | CompilationConfig | str | None = None
     enforce_eager: bool = False
+
+    def __post_init__(self):
+        # ModelConfig / CacheConfig check these again; here they fail before the embedded model is converted
+        verify_seed(self.seed)
+        verify_block_size(self.block_size)
 
     def create_compilation_config(self) -> CompilationConfig:
         """`compilation_config` as a fresh `CompilationConfig` (a dict, a `--compilation-config` / `-O` string, a

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ...config import VllmConfig
-from ...sampling_params import SamplingParams
+from ...sampling_params import SamplingParams, _check_int
 from . import EngineCoreRequest
 
 # %% auto #0
@@ -69,6 +69,7 @@ class InputProcessor:
         if params.temperature < 0: raise ValueError(f"temperature must be non-negative, got {params.temperature}.")
         self._validate_token_ids(params)
         self._validate_logprobs(params)
+        _check_int("priority", priority)  # an int that msgpack can carry to the engine process
         if priority != 0 and self.vllm_config.scheduler_config.policy != "priority":
             raise ValueError(f"priority: got {priority} but priority scheduling is not enabled "
                              "(scheduling_policy='priority').")

@@ -31,12 +31,15 @@ class ParentRequest:
     def n(self) -> int: return self.sampling_params.n
 
     def _get_child_sampling_params(self, index: int) -> SamplingParams:
-        "n=1 copies; seeded parents give child i the seed `seed + i`, unseeded children share one copy."
+        """n=1 copies; seeded parents give child i the seed `seed + i` (wrapped modulo 2**64 past 2**64 - 1,
+        so it stays in the [-2**63, 2**64) range SamplingParams accepts); unseeded children share one copy."""
         if self.cached_child_sampling_params is not None: return self.cached_child_sampling_params
         child = self.sampling_params.clone()
         child.n = 1
         if self.sampling_params.seed is None: self.cached_child_sampling_params = child
-        else: child.seed = self.sampling_params.seed + index
+        else:
+            seed = self.sampling_params.seed + index
+            child.seed = seed - 2**64 if seed >= 2**64 else seed
         return child
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:

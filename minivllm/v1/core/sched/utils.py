@@ -14,21 +14,22 @@ __all__ = ['check_stop']
 def check_stop(request: Request, max_model_len: int) -> bool:
     """True (and `request.status` set to a finished status) when the last appended token ends `request`.
 
-    Order: length limits (`max_model_len` total tokens, `max_tokens` outputs) → FINISHED_LENGTH_CAPPED;
-    nothing else before `min_tokens` outputs; EOS unless `ignore_eos` → FINISHED_STOPPED; a
-    `stop_token_ids` hit → FINISHED_STOPPED with `stop_reason` = the token id.
+    Order: once `min_tokens` outputs exist, EOS unless `ignore_eos` → FINISHED_STOPPED, then a
+    `stop_token_ids` hit → FINISHED_STOPPED with `stop_reason` = the token id; last (and also before
+    `min_tokens`), the length limits (`max_model_len` total tokens, `max_tokens` outputs) →
+    FINISHED_LENGTH_CAPPED. So an EOS that is the last allowed token reports "stop".
     Source: vLLM v1/core/sched/utils.py `check_stop`."""
     params = request.sampling_params
+    if params is not None and request.num_output_tokens >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
     if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    if params is None or request.num_output_tokens < params.min_tokens: return False
-    last = request.output_token_ids[-1]
-    if not params.ignore_eos and last == request.eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    if last in params.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last
         return True
     return False
