@@ -20,14 +20,15 @@ from ...config import VllmConfig
 from ...outputs import CompletionOutput, RequestOutput
 from ...sampling_params import RequestOutputKind, SamplingParams
 from .core_client import EngineCoreClient, enable_v1_multiprocessing
+from .exceptions import EngineDeadError
+from .exceptions import EngineGenerateError as EngineGenerateError  # re-exported, as before
 from ..metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'OUTPUT_PROCESSING_CHUNK_SIZE', 'merge_request_outputs', 'RequestOutputCollector', 'EngineDeadError',
-           'EngineGenerateError', 'AsyncLLM', 'generate', 'abort', 'reset_prefix_cache', 'collective_rpc',
-           'check_health', 'shutdown', 'get_num_unfinished_requests']
+__all__ = ['logger', 'OUTPUT_PROCESSING_CHUNK_SIZE', 'merge_request_outputs', 'RequestOutputCollector', 'AsyncLLM', 'generate',
+           'abort', 'reset_prefix_cache', 'collective_rpc', 'check_health', 'shutdown', 'get_num_unfinished_requests']
 
 # %% ../../../nbs/51_async_llm.ipynb #245f6020
 def merge_request_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -88,12 +89,6 @@ class RequestOutputCollector:
         return self.get_nowait()
 
 # %% ../../../nbs/51_async_llm.ipynb #1bc3c306
-class EngineDeadError(RuntimeError):
-    "The engine loop stopped with an error; no request can make progress. Source: vLLM v1/engine/exceptions.py."
-
-class EngineGenerateError(RuntimeError):
-    "A request failed inside the engine; the engine itself is fine. Source: vLLM v1/engine/exceptions.py."
-
 def _scheduler_stats_of(engine) -> Any:
     """The engine core's latest `SchedulerStats` for the in-process path: the snapshot the engine kept from its
     last `EngineCoreOutputs.scheduler_stats` if it keeps one, else a read-only look at its scheduler

@@ -25,9 +25,9 @@ import zmq.asyncio
 
 from ...config import VllmConfig
 from . import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from .async_llm import EngineDeadError
 from .core import ENGINE_CORE_DEAD, READY, EngineCoreProc, make_zmq_socket
 from .core_client import EngineCoreClient
+from .exceptions import EngineDeadError
 from ..metrics.stats import PrefixCacheStats, SchedulerStats
 from ..serial_utils import MsgpackDecoder, MsgpackEncoder
 
