@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['EngineGenerateError', 'EngineDeadError']
 
-# %% ../../../nbs/24b_engine_exceptions.ipynb #fb0f3cf6
+# %% ../../../nbs/24b_engine_exceptions.ipynb #1d272fed
 class EngineGenerateError(RuntimeError):
     """A request failed inside the engine; the engine itself is fine and other requests go on.
 
