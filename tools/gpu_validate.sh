@@ -4,7 +4,7 @@
 #
 # Two steps, because the device machine cannot reach PyPI:
 #   1. here (with PyPI):      tools/gpu_validate.sh prepare
-#      downloads the few runtime wheels the device image lacks (msgspec, cbor2, pyzmq) into .whl/ (git-ignored).
+#      downloads the few runtime wheels the device image lacks (msgspec, cbor2, pyzmq, fastcore) into .whl/ (git-ignored).
 #   2. on the device machine: tools/gpu_validate.sh        (device `run`, carry [".whl"], timeout_s 480)
 #      installs them to /tmp/site, then, each step under its own timeout so one slow step cannot eat the others:
 #        a. tests (<= 270 s): tests/test_triton_attention.py (kernels in fp32/fp16/bf16 vs the torch reference;
@@ -28,7 +28,7 @@ if [ "${1:-}" = "prepare" ]; then
   PIP=${PIP:-.venv/bin/pip}
   $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl msgspec cbor2 pyzmq
+    --platform manylinux2014_x86_64 -d .whl msgspec cbor2 pyzmq fastcore==1.8.18
   ls .whl
   exit 0
 fi
