@@ -16,11 +16,13 @@ extras = {
             "openai",  # the official OpenAI client, used by tests/test_server.py
             "redis",  # LMCacheConnectorV1's remote tier (tests/test_lmcache_connector.py)
             "ruff==0.17.6",  # `make lint` (pyproject.toml [tool.ruff])
+            "xgrammar", "jsonschema",  # structured outputs and their tests
             # Triton kernels (kernels/): tested on the CPU under TRITON_INTERPRET=1; not needed at runtime there
             "triton==3.6.0; platform_system == 'Linux'",
             # the docs site (`make docs`, tools/docs/) and its headless-browser test
             "sphinx==9.0.4", "myst-nb==1.4.0", "furo==2025.12.19", "websocket-client==1.9.2"],
     "embedded": ["gguf"],
+    "structured": ["xgrammar"],  # SamplingParams.structured_outputs / response_format
     # LMCacheConnectorV1 (chapter 48): the Redis tier and LMCACHE_CONFIG_FILE (YAML)
     "lmcache": ["redis", "PyYAML"],
     "serve": ["fastapi", "uvicorn", "prometheus-client"],
