@@ -72,3 +72,8 @@ KVConnectorFactory.register_connector(
 KVConnectorFactory.register_connector(
     "P2pZmqConnector", "minivllm.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector", "P2pZmqConnector"
 )
+KVConnectorFactory.register_connector(
+    "LMCacheConnectorV1",
+    "minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
+    "LMCacheConnectorV1",
+)

@@ -1,0 +1,322 @@
+"""LMCacheConnectorV1 through the whole engine (tiny random checkpoints, float32, CPU), on every tier.
+
+Greedy outputs with the connector equal those without it, cold (saving) and warm (loading), for the CPU tier
+(one engine, the GPU prefix cache off so the connector is what serves the second round), the disk tier and
+a real Redis server (fresh engines sharing only that tier). A warm engine computes only what the store
+lacks (scheduled tokens are counted). Faults: Redis stopped between the lookup and the load, a corrupted
+disk file, a CPU tier too small for the working set; keys: two processes agree, another model, dtype or
+cache_salt never shares. Redis tests start a private `redis-server` on a free port of 127.0.0.1.
+"""
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import KVTransferConfig
+from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
+from minivllm.testing import make_tiny_checkpoint
+
+BS = 16
+CHUNK = 32
+PROMPTS = [
+    list(range(3, 3 + 75)),  # two full chunks + 11
+    list(range(3, 3 + 70)),  # shares both chunks with the first prompt
+    list(range(100, 100 + 40)),  # one chunk + 8
+    list(range(200, 200 + 20)),  # no whole chunk: nothing stored
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+DECODE = (PARAMS.max_tokens - 1) * len(PROMPTS)
+# one chunk of the tiny llama: 2 layers x K/V x 32 tokens x 2 KV heads x 16 dims x 4 bytes
+CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 4
+
+
+def _stored_hit(n: int, unfull: bool = False) -> int:
+    "Tokens of an n-token prompt a warm store supplies (whole chunks, or blocks with unfull chunks)."
+    limit = (n - 1) // BS * BS
+    return limit if unfull else min(n // CHUNK * CHUNK, limit)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    "A private redis-server on 127.0.0.1 (no persistence); `stop()` kills it."
+
+    def __init__(self):
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        args = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; CI installs it)")
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _kvt(**settings) -> KVTransferConfig:
+    extra = {"chunk_size": CHUNK, "local_cpu": False, **settings}
+    return KVTransferConfig(
+        kv_connector="LMCacheConnectorV1", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+class Engine:
+    "An LLM whose scheduled tokens are counted; `.store` is its worker connector's StorageManager."
+
+    def __init__(self, ckpt, kv_transfer_config=None, dtype="float32", on_schedule=None, **kw):
+        self.llm = LLM(
+            ckpt,
+            **kw,
+            dtype=dtype,
+            max_model_len=256,
+            block_size=BS,
+            enable_prefix_caching=False,
+            kv_transfer_config=kv_transfer_config,
+        )
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        self.scheduled = 0
+        schedule = scheduler.schedule
+
+        def counting_schedule():
+            so = schedule()
+            self.scheduled += so.total_num_scheduled_tokens
+            if on_schedule is not None:
+                on_schedule(so)
+            return so
+
+        scheduler.schedule = counting_schedule
+        # the worker's connector (in this process with the in-process executor; None with worker processes)
+        self.connector = get_kv_transfer_group_or_none() if kv_transfer_config is not None else None
+
+    @property
+    def store(self):
+        return self.connector.storage
+
+    def generate(self, prompts=PROMPTS, **prompt_fields):
+        "Greedy token ids per prompt; returns (tokens, tokens scheduled by this call)."
+        before = self.scheduled
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p, **prompt_fields} for p in prompts], PARAMS, use_tqdm=False
+        )
+        return [o.outputs[0].token_ids for o in outs], self.scheduled - before
+
+    def shutdown(self):
+        self.llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    engine = Engine(ckpt)
+    try:
+        tokens, scheduled = engine.generate()
+    finally:
+        engine.shutdown()
+    assert scheduled == sum(map(len, PROMPTS)) + DECODE  # no prefix cache: everything computed
+    return tokens
+
+
+def _run(ckpt, kvt, prompts=PROMPTS, **kw):
+    engine = Engine(ckpt, kvt, **kw)
+    try:
+        tokens, scheduled = engine.generate(prompts)
+        stats = engine.store.stats()
+    finally:
+        engine.shutdown()  # flushes the write-back queue: disk and Redis hold everything
+    return tokens, scheduled, stats
+
+
+def test_cpu_tier_cold_then_warm_in_one_engine(ckpt, reference):
+    engine = Engine(ckpt, _kvt(local_cpu=True, max_local_cpu_size=0.01))
+    try:
+        cold, cold_scheduled = engine.generate()
+        warm, warm_scheduled = engine.generate()
+        stats = engine.store.stats()
+    finally:
+        engine.shutdown()
+    assert cold == reference and warm == reference
+    assert cold_scheduled == sum(map(len, PROMPTS)) + DECODE  # one step prefills all four: no hit yet
+    hits = sum(_stored_hit(len(p)) for p in PROMPTS)
+    assert warm_scheduled == sum(map(len, PROMPTS)) - hits + DECODE
+    assert stats["hits"]["LocalCPUBackend"] == hits // CHUNK and stats["errors"] == 0
+
+
+def test_worker_process_answers_the_schedulers_lookups(ckpt, reference):
+    "With worker processes the CPU tier lives in another process: lookups cross it over the ipc:// socket."
+    engine = Engine(ckpt, _kvt(local_cpu=True, max_local_cpu_size=0.01), distributed_executor_backend="mp")
+    try:
+        cold, _ = engine.generate()
+        warm, warm_scheduled = engine.generate()
+    finally:
+        engine.shutdown()
+    assert cold == reference and warm == reference
+    assert warm_scheduled == sum(map(len, PROMPTS)) - sum(_stored_hit(len(p)) for p in PROMPTS) + DECODE
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis", "all"])
+def test_fresh_engine_loads_from_tier(ckpt, reference, tier, tmp_path, request):
+    settings = {}
+    if tier in ("disk", "all"):
+        settings.update(local_disk=f"file://{tmp_path}", max_local_disk_size=0.01)
+    if tier in ("redis", "all"):
+        settings.update(remote_url=request.getfixturevalue("redis_server").url)
+    if tier == "all":
+        settings.update(local_cpu=True, max_local_cpu_size=0.01)
+    cold, _, _ = _run(ckpt, _kvt(**settings))
+    warm, warm_scheduled, stats = _run(ckpt, _kvt(**settings))  # a fresh engine: only the shared tiers
+    assert cold == reference and warm == reference
+    hits = sum(_stored_hit(len(p)) for p in PROMPTS)
+    assert warm_scheduled == sum(map(len, PROMPTS)) - hits + DECODE  # the stored chunks were not recomputed
+    if tier == "all":  # prompt 1's chunks come from disk and are promoted: prompt 2 reads them from memory
+        assert stats["hits"] == {"LocalCPUBackend": 2, "LocalDiskBackend": 3, "RemoteBackend": 0}
+    else:
+        assert stats["hits"] == {"RemoteBackend" if tier == "redis" else "LocalDiskBackend": hits // CHUNK}
+    assert stats["errors"] == 0
+
+
+def test_save_unfull_chunk_serves_the_same_prompt_to_the_last_block(ckpt, reference, tmp_path):
+    kvt = dict(local_disk=str(tmp_path), max_local_disk_size=0.01, save_unfull_chunk=True)
+    cold, _, _ = _run(ckpt, _kvt(**kvt))
+    warm, warm_scheduled, _ = _run(ckpt, _kvt(**kvt))
+    assert cold == reference and warm == reference
+    hits = [_stored_hit(len(p), unfull=True) for p in PROMPTS]
+    assert hits == [64, 64, 32, 16]
+    assert warm_scheduled == sum(map(len, PROMPTS)) - sum(hits) + DECODE
+
+
+def test_redis_stopped_mid_run_recomputes(ckpt, reference, redis_server):
+    _run(ckpt, _kvt(remote_url=redis_server.url))
+
+    def stop_after_lookup(so):
+        if so.kv_connector_metadata.loads:  # looked up while Redis was up; the load comes next
+            redis_server.stop()
+
+    t0 = time.monotonic()
+    tokens, scheduled, stats = _run(ckpt, _kvt(remote_url=redis_server.url), on_schedule=stop_after_lookup)
+    assert tokens == reference  # every request completed, by recomputing
+    assert stats["errors"] >= 1 and stats["hits"]["RemoteBackend"] == 0
+    assert scheduled >= sum(map(len, PROMPTS)) + DECODE - 64  # nothing was loaded (a failed load is redone)
+    assert time.monotonic() - t0 < 60  # generous: it must not hang on timeouts
+
+
+def test_corrupted_disk_file_is_a_miss(ckpt, reference, tmp_path):
+    kvt = dict(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    _run(ckpt, _kvt(**kvt), prompts=PROMPTS[:1])
+    files = sorted(tmp_path.glob("*.kvchunk"))
+    assert len(files) == 2
+    for f in files:
+        raw = bytearray(f.read_bytes())
+        raw[-5] ^= 0x40  # one bit in the payload: only the checksum can tell
+        f.write_bytes(bytes(raw))
+    tokens, scheduled, stats = _run(ckpt, _kvt(**kvt), prompts=PROMPTS[:1])
+    assert tokens == reference[:1]
+    assert stats["errors"] >= 1 and stats["hits"]["LocalDiskBackend"] == 0
+    # the first step ran only the tail after the granted 64 tokens; its result was dropped and all recomputed
+    assert scheduled == (len(PROMPTS[0]) - 64) + len(PROMPTS[0]) + PARAMS.max_tokens - 1
+
+
+def test_full_cpu_tier_evicts_lru_by_bytes(ckpt, reference):
+    limit = 2.5 * CHUNK_BYTES  # room for two chunks
+    engine = Engine(ckpt, _kvt(local_cpu=True, max_local_cpu_size=limit / (1 << 30)))
+    try:
+        cpu = engine.store.tiers[0]
+        tokens, _ = engine.generate([PROMPTS[2], PROMPTS[0]])  # 3 chunks: the first prompt's is evicted
+        assert cpu.used_bytes <= cpu.max_bytes and cpu.num_evictions == 1 and len(cpu) == 2
+        assert tokens == [reference[2], reference[0]]
+        _, scheduled = engine.generate([PROMPTS[2]])  # evicted: computed again (and stored again)
+        assert scheduled == len(PROMPTS[2]) + PARAMS.max_tokens - 1
+        _, scheduled = engine.generate([PROMPTS[2]])
+        assert scheduled == len(PROMPTS[2]) - CHUNK + PARAMS.max_tokens - 1
+        assert cpu.used_bytes <= cpu.max_bytes and cpu.num_evictions == 2
+    finally:
+        engine.shutdown()
+
+
+_KEYS_SCRIPT = """
+from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import (
+    ChunkedTokenDatabase, LMCacheEngineMetadata)
+db = ChunkedTokenDatabase(32, save_unfull_chunk=True, block_size=16)
+meta = LMCacheEngineMetadata("org/model", 1, 0, "float32")
+print(*[k.to_string() for _, _, k in db.process_tokens(list(range(100)), meta, cache_salt="s")])
+"""
+
+
+def test_two_processes_agree_on_keys():
+    outs = []
+    for seed in ("0", "1234"):  # even different hash seeds: the chain has a fixed root
+        run = subprocess.run(
+            [sys.executable, "-c", _KEYS_SCRIPT],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+        )
+        outs.append(run.stdout.split())
+    assert outs[0] == outs[1] and len(outs[0]) == 3  # three full chunks; the 4-token tail is under a block
+
+
+def test_other_model_dtype_or_salt_never_share(ckpt, reference, tmp_path, tmp_path_factory):
+    kvt = dict(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    full = len(PROMPTS[0]) + PARAMS.max_tokens - 1
+    _run(ckpt, _kvt(**kvt), prompts=PROMPTS[:1])
+    engine = Engine(ckpt, _kvt(**kvt))
+    try:
+        tokens, scheduled = engine.generate(PROMPTS[:1], cache_salt="tenant-b")
+        assert tokens == reference[:1] and scheduled == full  # another tenant's salt: nothing shared
+        _, scheduled = engine.generate(PROMPTS[:1])
+        assert scheduled == full - 64  # the unsalted prompt does share (the store works)
+    finally:
+        engine.shutdown()
+    _, scheduled, _ = _run(ckpt, _kvt(**kvt), prompts=PROMPTS[:1], dtype="bfloat16")
+    assert scheduled == full  # another KV dtype
+    other = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("other"), seed=1)
+    other_ref = Engine(other)
+    try:
+        ref_tokens, _ = other_ref.generate(PROMPTS[:1])
+    finally:
+        other_ref.shutdown()
+    tokens, scheduled, _ = _run(other, _kvt(**kvt), prompts=PROMPTS[:1])
+    assert tokens == ref_tokens and scheduled == full  # another model's chunks never match
