@@ -5,9 +5,12 @@ import contextlib
 import io
 import json
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `tools.docs` is not installed: import it from the repo root
@@ -221,3 +224,83 @@ def test_api_and_home_pages():
     assert caps == [v for k, v in SECTIONS.items() if any(c.section == k for c in chapters)] + ["Reference"]
     for c in chapters:
         assert len(re.findall(rf"^{re.escape(c.stem)}$", home, re.M)) == 1, c.stem
+
+
+# --- executing the chapters (tools/docs/execute.py) ----------------------------------------------------
+
+from tools.docs.build import build_site  # noqa: E402
+from tools.docs.execute import ExecutionFailed, cache_key, with_outputs  # noqa: E402
+
+
+def _code(src, **kw):
+    return {"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": None, **kw}
+
+
+def _repo(tmp: Path) -> Path:
+    "A repo with nbs/ and the files the builder reads (settings.ini, README.md), no chapters yet."
+    (tmp / "nbs").mkdir(parents=True)
+    for name in ["settings.ini", "README.md"]:
+        (tmp / name).write_text((REPO / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return tmp
+
+
+def test_cache_key_and_outputs():
+    nb = {"cells": [{"cell_type": "markdown", "source": "# T"}, _code("print(1)"), _code("x")]}
+    k = cache_key(nb, set(), {"A": "1"})
+    prose = {"cells": [{"cell_type": "markdown", "source": "# T, reworded"}, *nb["cells"][1:]]}
+    assert cache_key(prose, set(), {"A": "1"}) == k  # prose does not change what a run prints
+    assert cache_key({"cells": [nb["cells"][0], _code("print(2)"), _code("x")]}, set(), {"A": "1"}) != k
+    assert cache_key(nb, {"slow"}, {"A": "1"}) != k and cache_key(nb, set(), {"A": "2"}) != k
+    out = {"output_type": "stream", "name": "stdout", "text": ["1\n"]}
+    got = with_outputs(nb, {1: [out]})
+    assert got["cells"][1]["outputs"] == [out] and got["cells"][2]["outputs"] == [] and nb["cells"][1]["outputs"] == []
+
+
+def test_build_executes_caches_and_keeps_notebooks_clean(tmp_path):
+    "Outputs (slow cells too, `eval: false` skipped) go on the page, not into the notebook; a rebuild hits the cache."
+    repo = _repo(tmp_path / "repo")
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "markdown", "metadata": {}, "source": "# Tiny\n\n> Runs on the page."},
+        _code("import os\nprint('six times seven is', 6 * 7, os.path.basename(os.getcwd()))"),
+        _code("#| slow\nprint('the slow cell ran too')"),
+        _code("#| eval: false\nraise SystemExit('never run')"),
+        _code("{'example_model': os.environ.get('MINIVLLM_EXAMPLE_MODEL')}"),
+    ]}
+    path = repo / "nbs" / "01_tiny.ipynb"
+    path.write_text(json.dumps(nb), encoding="utf-8")
+    before = path.read_bytes()
+    cache = tmp_path / "cache"
+    out = build_site(repo, tmp_path / "site", seeds=False, cache=cache)
+    page = (out / "01_tiny.html").read_text(encoding="utf-8")
+    assert "six times seven is 42 nbs" in page  # run in the notebook's own folder, as nbdev_test does
+    assert "the slow cell ran too" in page and "never run" in page  # the eval: false cell shown, not run
+    assert page.count('<div class="cell_output') == 3
+    assert "&#39;example_model&#39;: &#39;embedded&#39;" in page or "'example_model': 'embedded'" in page
+    assert path.read_bytes() == before
+    man = json.loads((out / "chapters.json").read_text(encoding="utf-8"))
+    assert man[0]["executed"]["cached"] is False and len(list(cache.glob("01_tiny-*.json"))) == 1
+    out = build_site(repo, tmp_path / "site", seeds=False, cache=cache)
+    assert json.loads((out / "chapters.json").read_text(encoding="utf-8"))[0]["executed"]["cached"] is True
+    assert "six times seven is 42" in (out / "01_tiny.html").read_text(encoding="utf-8")
+    out = build_site(repo, tmp_path / "site", seeds=False, execute=False)  # --no-execute: outputs as saved
+    assert "six times seven is 42" not in (out / "01_tiny.html").read_text(encoding="utf-8")
+
+
+def test_build_fails_naming_the_chapter_and_cell(tmp_path):
+    "A deliberately broken copy of a real chapter: the build stops, naming the notebook and the cell."
+    repo = _repo(tmp_path / "repo")
+    nb = json.loads((REPO / "nbs" / "12_block_pool.ipynb").read_text(encoding="utf-8"))
+    at = next(i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and "import" in "".join(c["source"]))
+    nb["cells"].insert(at + 1, _code("pool_size = 8\nassert pool_size == 9, 'a deliberately broken cell'"))
+    (repo / "nbs" / "12_block_pool.ipynb").write_text(json.dumps(nb), encoding="utf-8")
+    with pytest.raises(ExecutionFailed) as e:
+        build_site(repo, tmp_path / "site", seeds=False, cache=None)
+    assert (e.value.chapter, e.value.cell) == ("nbs/12_block_pool.ipynb", at + 1)
+    msg = str(e.value)
+    assert msg.startswith(f"nbs/12_block_pool.ipynb, cell {at + 1}: AssertionError: a deliberately broken cell")
+    assert "assert pool_size == 9" in msg and not (tmp_path / "site").exists()
+    # the command line says the same and exits 1
+    r = subprocess.run([sys.executable, str(REPO / "tools/docs/build.py"), "--repo", str(repo), "--no-seeds", "--out",
+                        str(tmp_path / "site"), "--cache", str(tmp_path / "c")], cwd=repo, capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and f"nbs/12_block_pool.ipynb, cell {at + 1}" in r.stderr, r.stderr[-2000:]

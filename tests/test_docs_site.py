@@ -1,5 +1,8 @@
 """The docs site (tools/docs/, `make docs`): built offline into a temp dir, checked statically, then in
-headless Chromium (DevTools protocol over websocket-client) with the network blocked."""
+headless Chromium (DevTools protocol over websocket-client) with the network blocked.
+
+The site built here has every page but executes only `EXECUTED` (a fresh cache, so they really run): the whole
+run is `make docs` (minutes), too slow for the default suite. test_docs_build.py checks the executor."""
 import base64
 import html
 import json
@@ -44,9 +47,18 @@ def names_before_build():
     return _public_names()
 
 
+# the chapters this site executes: the worked example of the block pool, and a model chapter (tiny Llama)
+EXECUTED = ["12_block_pool", "34_llama"]
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory, names_before_build):
-    return build_site(REPO, tmp_path_factory.mktemp("docs") / "site", seeds=True)
+    tmp = tmp_path_factory.mktemp("docs")
+    return build_site(REPO, tmp / "site", seeds=True, execute=EXECUTED, cache=tmp / "cache", jobs=2)
+
+
+def _manifest(site: Path) -> dict[str, dict]:
+    return {c["stem"]: c for c in json.loads((site / "chapters.json").read_text(encoding="utf-8"))}
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +159,36 @@ def test_chapter_pages_link_their_seed_chapter(site, chapters):
         assert f'href="seeds/{Path(MAIN_SEED).stem}.html#L18"' in _page(site, f"{engine.stem}.html")
 
 
+def _text(page: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+def _outputs(page: str) -> list[str]:
+    "The text of each cell output block on a page (myst-nb's `cell_output` containers)."
+    parts = page.split('<div class="cell_output docutils container">')[1:]
+    return [_text(p.split('<div class="cell docutils container">')[0]) for p in parts]
+
+
+def test_executed_chapters_show_their_outputs(site):
+    "The executed chapters' pages carry the real printed values of their worked examples."
+    man = _manifest(site)
+    assert all(man[s]["executed"] and not man[s]["executed"]["cached"] for s in EXECUTED), man
+    pool = _outputs(_page(site, "12_block_pool.html"))
+    # BlockPool(8 blocks): 3 blocks of request A allocated out of 7 usable, then freed in reverse
+    assert any("usage 0.43" in o for o in pool), pool
+    assert any("[4, 5, 6, 7, 3, 2, 1]" in o for o in pool), pool
+    llama = _outputs(_page(site, "34_llama.html"))
+    assert any("LlamaDecoderLayer(" in o for o in llama), llama  # the model's first layer, printed
+    assert any(re.search(r"next tokens: \[\d+, \d+\] max \|logits - hf\|:", o) for o in llama), llama
+    # the committed notebooks stay clean: the outputs live only in the built pages
+    nb = json.loads((REPO / "nbs" / "12_block_pool.ipynb").read_text(encoding="utf-8"))
+    assert not any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
 def test_cell_outputs_appear_as_saved(site, chapters):
-    found = 0
-    for ch in chapters:
+    "A chapter the build did not execute shows the outputs saved in its notebook."
+    found, man = 0, _manifest(site)
+    for ch in [c for c in chapters if not man[c.stem]["executed"]]:
         nb = json.loads(ch.path.read_text(encoding="utf-8"))
         for cell in nb["cells"]:
             for out in cell.get("outputs", []):
@@ -157,7 +196,7 @@ def test_cell_outputs_appear_as_saved(site, chapters):
                 text = "".join(text) if isinstance(text, list) else text
                 line = next((l.strip() for l in (text or "").splitlines() if len(l.strip()) > 8), None)
                 if line and "#| hide" not in "".join(cell["source"]) and "\x1b" not in line:
-                    page = html.unescape(re.sub(r"<[^>]+>", "", _page(site, f"{ch.stem}.html")))
+                    page = _text(_page(site, f"{ch.stem}.html"))
                     assert line in page, f"{ch.stem}: output line {line!r} not on the page"
                     found += 1
                     break
@@ -193,7 +232,7 @@ def test_builds_without_seeds_and_shows_saved_outputs(tmp_path):
     real = next(p for p in sorted((REPO / "nbs").glob("0[1-9]*_*.ipynb")) if _MERMAID_FENCE.search(_markdown(p)))
     shutil.copy(real, repo / "nbs")
     (repo / "nbs" / "97_outputs.ipynb").write_text(json.dumps(_outputs_notebook()))
-    out = build_site(repo, tmp_path / "site", seeds=False)
+    out = build_site(repo, tmp_path / "site", seeds=False, execute=False)  # as saved: nothing run
     assert not (out / "seeds").exists()
     assert (out / f"{real.stem}.html").exists() and (out / "97_outputs.html").exists()
     assert "SamplingParams" in _page(out, "api.html")
@@ -286,6 +325,27 @@ def _open_and_render(cdp: _CDP, url: str, shot: Path) -> dict:
     return {"state": state, **json.loads(info)}
 
 
+_LAYOUT_JS = """(() => {
+  const col = document.querySelector('article[role=main]') || document.querySelector('article');
+  const right = col.getBoundingClientRect().right;
+  const pres = [...col.querySelectorAll('div.highlight pre')];
+  const over = pres.filter(p => p.scrollWidth > p.clientWidth + 1 || p.getBoundingClientRect().right > right + 1)
+                   .map(p => p.textContent.slice(0, 60));
+  const wrapped = pres.filter(p => {
+    const lh = parseFloat(getComputedStyle(p).lineHeight), lines = p.textContent.replace(/\\n$/, '').split('\\n').length;
+    return p.scrollHeight > (lines + 0.8) * lh;
+  }).length;
+  const outs = [...col.querySelectorAll('div.cell_output')];
+  const shown = o => { const r = o.getBoundingClientRect(), cs = getComputedStyle(o);
+    return r.height > 5 && r.width > 100 && cs.visibility === 'visible' && cs.display !== 'none'; };
+  const outPre = col.querySelector('div.cell_output pre');
+  return JSON.stringify({pres: pres.length, over, wrapped, outs: outs.length, hidden: outs.filter(o => !shown(o)).length,
+    taller_than_screen: outs.filter(o => o.getBoundingClientRect().height > innerHeight).length,
+    out_max_height: outPre ? getComputedStyle(outPre).maxHeight : null,
+    out_text: outs.map(o => o.innerText).join('\\n'), page_width: document.documentElement.scrollWidth, vw: innerWidth});
+})()"""
+
+
 def test_browser_renders_diagrams_offline(site, chapters):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (CI's .ci/run installs it)")
@@ -304,6 +364,16 @@ def test_browser_renders_diagrams_offline(site, chapters):
                 assert r["state"] == "done", f"{name}: mermaid state {r['state']}"
                 assert r["blocks"] >= 1 and r["svgs"] == r["blocks"], f"{name}: {r}"
                 assert r["nodes"] > 3, f"{name}: empty diagram {r}"
+            # an executed chapter: its outputs are on screen, code wraps inside the content column (long
+            # lines exist: some block wraps), a long output is folded into its own scrolling box
+            _open_and_render(cdp, (site / "12_block_pool.html").as_uri(), SCREENSHOTS / "12_block_pool.png")
+            lay = json.loads(cdp.eval(_LAYOUT_JS))
+            assert lay["outs"] >= 3 and lay["hidden"] == 0, {k: v for k, v in lay.items() if k != "out_text"}
+            assert "usage 0.43" in lay["out_text"], lay["out_text"][:500]
+            assert lay["pres"] > 10 and not lay["over"], f"code runs past the content column: {lay['over']}"
+            assert lay["wrapped"] >= 1, "no long line wrapped: the check would not see an overflow"
+            assert lay["out_max_height"] not in (None, "none") and lay["taller_than_screen"] == 0, lay
+            assert lay["page_width"] <= lay["vw"], "the page scrolls sideways"
             requested = {e["params"]["request"]["url"] for e in cdp.events if e.get("method") == "Network.requestWillBeSent"}
             outside = sorted(u for u in requested if not u.startswith(("file:", "data:", "blob:", "about:")))
             assert not outside, f"pages asked the network for {outside}"

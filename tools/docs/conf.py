@@ -3,7 +3,7 @@
 project = "minivllm"
 html_title = "minivllm"
 extensions = ["myst_nb"]
-nb_execution_mode = "off"  # outputs appear as saved; the build never runs a notebook
+nb_execution_mode = "off"  # build.py has run the chapters (execute.py): Sphinx shows the staged outputs
 nb_output_stderr = "show"
 nb_merge_streams = True
 myst_heading_anchors = 3
