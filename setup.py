@@ -25,7 +25,7 @@ extras = {
     "structured": ["xgrammar"],  # SamplingParams.structured_outputs / response_format
     # LMCacheConnectorV1 (chapter 48): the Redis tier and LMCACHE_CONFIG_FILE (YAML)
     "lmcache": ["redis", "PyYAML"],
-    "serve": ["fastapi", "uvicorn", "prometheus-client"],
+    "serve": ["fastapi", "uvicorn", "prometheus-client", "httpx"],  # httpx: examples/disagg_proxy.py
 }
 
 setuptools.setup(

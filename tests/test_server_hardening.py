@@ -134,13 +134,19 @@ def test_request_chat_template_with_trust(real):
     app.state.engine_client.stat_loggers.remove(app.state.stat_logger)
 
 
-# 4. features not built yet are refused naming the field
+# 4. features not built (and malformed structured outputs) are refused naming the field
 @pytest.mark.parametrize("path,extra,param", [
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format")])
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json")])
 def test_unsupported_features(real, path, extra, param):
     body = {"model": "tiny", "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), **extra}
     assert _error(real, path, body)["param"] == param
