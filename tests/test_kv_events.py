@@ -84,3 +84,36 @@ def test_subscriber_replica_equals_block_pool(ckpt, tmp_path):
         sub.close(linger=0)
         ctx.term()
         llm.llm_engine.shutdown()
+
+
+def test_block_residency_metrics_reach_prometheus(ckpt):
+    "Stats on, every block sampled, a pool too small: evictions become vllm:kv_block_* histogram samples."
+    from prometheus_client import generate_latest
+
+    from minivllm.v1.metrics.loggers import PrometheusStatLogger
+
+    llm = LLM(ckpt, dtype="float32", max_model_len=128, block_size=16, num_gpu_blocks_override=12,
+              disable_log_stats=False, kv_cache_metrics_sample=1.0)
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.kv_metrics_collector is not None
+        logger, seen = PrometheusStatLogger("tiny"), []
+        make_stats = scheduler.make_stats
+
+        def recording_make_stats():  # what the engine core sends each step, also fed to a Prometheus logger
+            stats = make_stats()
+            seen.extend(stats.kv_cache_eviction_events)
+            logger.record(stats, None)
+            return stats
+
+        scheduler.make_stats = recording_make_stats
+        prompts = [{"prompt_token_ids": list(range(10 * i, 10 * i + 40))} for i in range(8)]
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert seen, "no eviction was sampled"
+        assert all(e.lifetime_seconds >= e.idle_seconds >= 0 for e in seen)
+        text = generate_latest(logger.registry).decode()
+        count = [line for line in text.splitlines() if line.startswith("vllm:kv_block_lifetime_seconds_count")]
+        assert count and float(count[0].split()[-1]) == len(seen)
+        assert "vllm:kv_block_idle_before_evict_seconds_bucket" in text
+    finally:
+        llm.llm_engine.shutdown()
