@@ -331,7 +331,7 @@ def unified_attention_cpu(
     that request's rows of `out` untouched (the caller attends them another way). max_query_len is accepted
     for signature parity and unused.
     Raises `RuntimeError` if the kernel is unavailable (see `cpu_attention_available`), `ValueError` for a
-    device, dtype, layout or head-count mismatch. Source: vLLM v0.11 v1/attention/backends/cpu_attn.py (role);
+    device, dtype, layout or head-count mismatch. Source: vLLM v0.15 v1/attention/backends/cpu_attn.py (role);
     design of kernels.unified_attention."""
     lib = load_cpu_attention_lib()
     if lib is None:

@@ -226,7 +226,7 @@ def rms_norm(
     input: (..., hidden), at most 3 dims, last dim contiguous (other strides free, e.g. a per-head view of
     a q slice); out: contiguous, input's shape; weight: (hidden,) contiguous; all float32, bfloat16 or float16
     alike, math in float32. Raises `ValueError` for a device, dtype, shape or layout mismatch, `RuntimeError`
-    if the kernels are unavailable. Source: vLLM v0.11 csrc/cpu/layernorm.cpp `rms_norm` (_custom_ops.py
+    if the kernels are unavailable. Source: vLLM v0.15 csrc/cpu/layernorm.cpp `rms_norm` (_custom_ops.py
     signature)."""
     suf = _check("rms_norm", out, input, weight)
     hidden = input.shape[-1]
@@ -275,7 +275,7 @@ def fused_add_rms_norm(
 
     input, residual: (..., hidden) contiguous, same shape; weight (hidden,); one dtype (float32, bfloat16,
     float16). Raises `ValueError` for a mismatch or non-contiguous tensors, `RuntimeError` if unavailable.
-    Source: vLLM v0.11 csrc/cpu/layernorm.cpp `fused_add_rms_norm`."""
+    Source: vLLM v0.15 csrc/cpu/layernorm.cpp `fused_add_rms_norm`."""
     suf = _check("fused_add_rms_norm", input, residual, weight)
     hidden = input.shape[-1]
     if residual.shape != input.shape or weight.shape != (hidden,):
@@ -302,7 +302,7 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor, num_threads: int | None
     """out = round(silu(x[..., :d])) * x[..., d:] for input (..., 2d), into out (..., d) contiguous.
 
     input's last dim contiguous (rows may be strided when 2-D); one dtype (float32, bfloat16, float16).
-    Raises `ValueError` for a mismatch, `RuntimeError` if unavailable. Source: vLLM v0.11
+    Raises `ValueError` for a mismatch, `RuntimeError` if unavailable. Source: vLLM v0.15
     csrc/cpu/activation.cpp `silu_and_mul`."""
     suf = _check("silu_and_mul", out, input)
     d = input.shape[-1] // 2
@@ -355,7 +355,7 @@ def rotary_embedding(
     contiguous inside a token, any token stride; one dtype (float32, bfloat16, float16); cos_sin_cache:
     (max_position, rot_dim) float32 contiguous. is_neox: pairs (i, i + rot_dim/2), else (2i, 2i+1). Raises
     `ValueError` for a mismatch, `IndexError` for a position outside the cache, `RuntimeError` if unavailable.
-    Source: vLLM v0.11 csrc/cpu/pos_encoding.cpp `rotary_embedding`."""
+    Source: vLLM v0.15 csrc/cpu/pos_encoding.cpp `rotary_embedding`."""
     suf = _check("rotary_embedding", *([query] if key is None else [query, key]))
     T = query.shape[0]
     if (

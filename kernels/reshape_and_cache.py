@@ -68,7 +68,7 @@ def reshape_and_cache(
     key, value: (num_tokens, num_kv_heads, head_size), each token's row contiguous; key_cache, value_cache:
     (num_blocks, block_size, num_kv_heads, head_size) with contiguous pages; slot_mapping: (n,) int32/int64,
     n <= num_tokens, -1 = skip. Values are cast to the cache dtype. Raises `ValueError` on a shape or layout
-    mismatch. Source: vLLM v0.11 _custom_ops.py `reshape_and_cache_flash` (the CUDA op this replaces)."""
+    mismatch. Source: vLLM v0.15 _custom_ops.py `reshape_and_cache_flash` (the CUDA op this replaces)."""
     n = slot_mapping.shape[0]
     if n > key.shape[0] or key.shape[1:] != key_cache.shape[2:] or value.shape[1:] != value_cache.shape[2:]:
         raise ValueError(

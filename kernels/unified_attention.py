@@ -254,7 +254,7 @@ def unified_attention(
     seq_lens: (num_seqs,) int32 (cached context + new tokens); block_table: (num_seqs, max_blocks) int32.
     sliding_window: keys with position > query position - window (None/0 = full); soft_cap: logits become
     cap * tanh(s / cap). Computes in float32. Raises `ValueError` if num_heads is not a multiple of
-    num_kv_heads. Source: vLLM v0.11 attention/ops/triton_unified_attention.py `unified_attention` (design;
+    num_kv_heads. Source: vLLM v0.15 attention/ops/triton_unified_attention.py `unified_attention` (design;
     code our own)."""
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, _ = k_cache.shape

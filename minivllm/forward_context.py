@@ -22,7 +22,7 @@ class ForwardContext:
     `attn_metadata`: layer name -> backend AttentionMetadata (None during a dummy/profile run);
     `slot_mapping`: layer name -> (num_tokens,) int64 slot tensor; `cudagraph_runtime_mode`: how this
     pass runs (NONE eager, FULL or PIECEWISE replay of the graph keyed by `batch_descriptor`; chapter
-    "CUDA graph wrapper"). Source: vLLM v0.11 forward_context.py `ForwardContext`."""
+    "CUDA graph wrapper"). Source: vLLM v0.15 forward_context.py `ForwardContext`."""
 
     attn_metadata: dict[str, Any] | None
     slot_mapping: dict[str, Any] = field(default_factory=dict)

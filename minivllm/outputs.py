@@ -13,7 +13,7 @@ __all__ = ['SampleLogprobs', 'PromptLogprobs', 'Logprob', 'CompletionOutput', 'R
 # %% ../nbs/03_outputs.ipynb #d6be1f32
 @dataclass
 class Logprob:
-    """Log probability of one token. `rank` is 1 for the most likely token. Source: vLLM v0.11 logprobs.py
+    """Log probability of one token. `rank` is 1 for the most likely token. Source: vLLM v0.15 logprobs.py
     `Logprob`."""
 
     logprob: float
@@ -31,7 +31,7 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 class CompletionOutput:
     """One sample of a request. `finish_reason` is "stop", "length", "abort" or None while running;
     `stop_reason` is the stop string or token id that ended it (None for EOS / length).
-    Source: vLLM v0.11 outputs.py `CompletionOutput`."""
+    Source: vLLM v0.15 outputs.py `CompletionOutput`."""
 
     index: int
     text: str
@@ -51,7 +51,7 @@ class RequestMetrics:
     time.monotonic (its step timestamps and its QUEUED / SCHEDULED events), so differences between them are
     meaningful even when the engine core runs in another process. `first_scheduled_time` and `time_in_queue`
     (first SCHEDULED minus QUEUED) stay None when the engine core does not log stats (the offline `LLM`'s
-    default). Source: vLLM v0.11 sequence.py `RequestMetrics`."""
+    default). Source: vLLM v0.15 sequence.py `RequestMetrics`."""
 
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -64,7 +64,7 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The result of one request as the user sees it. Source: vLLM v0.11 outputs.py `RequestOutput`.
+    """The result of one request as the user sees it. Source: vLLM v0.15 outputs.py `RequestOutput`.
 
     `outputs` has one `CompletionOutput` per sample; `num_cached_tokens` is the prefix-cache hit."""
 

@@ -32,7 +32,7 @@ class Attention(nn.Module):
     num_heads*head_size) in query's dtype. Reads `get_forward_context().attn_metadata[layer_name]`; None =
     dummy run (causal over the T tokens, cache untouched). `self.kv_cache` is an empty tensor until the model
     runner binds (2, num_blocks, block_size, num_kv_heads, head_size). Raises `RuntimeError` outside a forward
-    context and `KeyError` if the metadata has no entry for this layer. Source: vLLM v0.11 attention/layer.py
+    context and `KeyError` if the metadata has no entry for this layer. Source: vLLM v0.15 attention/layer.py
     `Attention`."""
 
     def __init__(

@@ -40,7 +40,7 @@ def select_attn_backend_name(device: torch.device | str | None = None) -> str:
     """The backend name for `device` (None = `torch.get_default_device()`): env `MINIVLLM_ATTENTION_BACKEND`
     if set, else "TRITON_ATTN" on CUDA when triton is importable, "CPU_ATTN" on the CPU when its C kernel
     builds, else "TORCH_REF". Raises `ValueError` naming the
-    variable for an unknown name. Source: vLLM v0.11 platforms/cuda.py `get_attn_backend_cls` (role)."""
+    variable for an unknown name. Source: vLLM v0.15 platforms/cuda.py `get_attn_backend_cls` (role)."""
     name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "").strip().upper()
     if name:
         if name not in _ATTENTION_BACKENDS:
@@ -65,7 +65,7 @@ def get_attn_backend(
 ) -> type:
     """The attention backend class for a layer of `head_size`, `dtype`, `block_size` on `device` (see
     `select_attn_backend_name`; every backend accepts any head size and block size, and the dtypes a model
-    runs in). Raises `ValueError` for an unknown `MINIVLLM_ATTENTION_BACKEND`. Source: vLLM v0.11
+    runs in). Raises `ValueError` for an unknown `MINIVLLM_ATTENTION_BACKEND`. Source: vLLM v0.15
     attention/selector.py `get_attn_backend`."""
     name = select_attn_backend_name(device)
     if name not in _logged:

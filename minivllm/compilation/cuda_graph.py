@@ -30,7 +30,7 @@ class AttentionSplit:
     e.g. query (N, num_heads*head_size), key, value (N, num_kv_heads*head_size), static tensors written by the
     piece before; `output`: (N, num_heads*head_size) static tensor read by the piece after. Calling it runs
     the layer on the real rows only: n = the layer's `num_actual_tokens` in the forward context (N without
-    metadata). Source: vLLM v0.11 compilation/backends.py `split_graph` (the splitting op between
+    metadata). Source: vLLM v0.15 compilation/backends.py `split_graph` (the splitting op between
     submodules)."""
 
     layer: nn.Module
@@ -57,7 +57,7 @@ class AttentionSplit:
 class CUDAGraphEntry:
     """What one `batch_descriptor` captured: `cudagraphs` (torch.cuda.CUDAGraph or a stand-in; FULL: one,
     PIECEWISE: len(splits) + 1), the `splits` run between them, and the static `output` (N, hidden).
-    Source: vLLM v0.11 compilation/cuda_graph.py `CUDAGraphEntry`."""
+    Source: vLLM v0.15 compilation/cuda_graph.py `CUDAGraphEntry`."""
 
     batch_descriptor: Any
     cudagraphs: list[Any] = field(default_factory=list)
@@ -89,7 +89,7 @@ class CUDAGraphWrapper:
     run eagerly at replay (see `AttentionSplit`). Inputs must be views of persistent buffers (same addresses
     at every call); the returned tensor is the entry's static output, overwritten by the next replay of that
     size. `concrete_cudagraph_entries`: BatchDescriptor -> `CUDAGraphEntry`. Raises `ValueError` for another
-    mode. Source: vLLM v0.11 compilation/cuda_graph.py `CUDAGraphWrapper`."""
+    mode. Source: vLLM v0.15 compilation/cuda_graph.py `CUDAGraphWrapper`."""
 
     def __init__(
         self,

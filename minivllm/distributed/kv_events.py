@@ -25,7 +25,7 @@ __all__ = ['logger', 'EventBatch', 'KVCacheEvent', 'BlockStored', 'BlockRemoved'
 
 # %% ../../nbs/16_kv_events.ipynb #ac69b9a1
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Events of one engine step: `ts` is time.time() seconds. Source: vLLM v0.11 distributed/kv_events.py
+    """Events of one engine step: `ts` is time.time() seconds. Source: vLLM v0.15 distributed/kv_events.py
     `EventBatch`."""
 
     ts: float
@@ -34,14 +34,14 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the KV cache events (tagged so a union decodes to the right class). Source: vLLM v0.11
+    """Base of the KV cache events (tagged so a union decodes to the right class). Source: vLLM v0.15
     `KVCacheEvent`."""
 
 
 class BlockStored(KVCacheEvent):
     """Blocks newly registered in the prefix cache: their hashes (bytes or int), the hash of the block
     before the first one (None at the start of a request), their `token_ids` (`len(block_hashes) *
-    block_size` ints), the LoRA id and the storage medium ("GPU"). Source: vLLM v0.11 `BlockStored`."""
+    block_size` ints), the LoRA id and the storage medium ("GPU"). Source: vLLM v0.15 `BlockStored`."""
 
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
@@ -52,18 +52,18 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
-    "Blocks evicted from the prefix cache. Source: vLLM v0.11 `BlockRemoved`."
+    "Blocks evicted from the prefix cache. Source: vLLM v0.15 `BlockRemoved`."
 
     block_hashes: list[bytes | int]
     medium: str | None
 
 
 class AllBlocksCleared(KVCacheEvent):
-    "The whole prefix cache was reset. Source: vLLM v0.11 `AllBlocksCleared`."
+    "The whole prefix cache was reset. Source: vLLM v0.15 `AllBlocksCleared`."
 
 
 class KVEventBatch(EventBatch):
-    "A step's KV cache events, decodable from msgpack. Source: vLLM v0.11 `KVEventBatch`."
+    "A step's KV cache events, decodable from msgpack. Source: vLLM v0.15 `KVEventBatch`."
 
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
 

@@ -25,7 +25,7 @@ _default_compilation_config: CompilationConfig | None = None
 
 def get_cached_compilation_config() -> CompilationConfig:
     """The current config's `compilation_config`, or one shared default when no config is set (custom ops on).
-    Source: vLLM v0.11 config/vllm.py `get_cached_compilation_config`."""
+    Source: vLLM v0.15 config/vllm.py `get_cached_compilation_config`."""
     global _default_compilation_config
     cfg = get_current_vllm_config()
     if cfg is not None:
@@ -36,7 +36,7 @@ def get_cached_compilation_config() -> CompilationConfig:
 
 
 def current_platform_type() -> str:
-    """'cpu' or 'cuda': the current config's device, else the default torch device. Source: vLLM v0.11
+    """'cpu' or 'cuda': the current config's device, else the default torch device. Source: vLLM v0.15
     platforms `current_platform` (role)."""
     cfg = get_current_vllm_config()
     dev = cfg.device_config.device if cfg is not None else torch.get_default_device()
@@ -50,7 +50,7 @@ class CustomOp(nn.Module):
     Subclasses define `forward_native` (torch) and any of `forward_cuda` / `forward_cpu`, and register with
     `@CustomOp.register("name")`. `enabled()` reads `CompilationConfig.custom_ops`; `dispatch_forward()`
     returns `forward_native` when disabled, else the platform's method. Raises `NotImplementedError` from a
-    method a subclass did not define. Source: vLLM v0.11 model_executor/custom_op.py `CustomOp`."""
+    method a subclass did not define. Source: vLLM v0.15 model_executor/custom_op.py `CustomOp`."""
 
     op_registry: dict[str, type[CustomOp]] = {}
     name: str

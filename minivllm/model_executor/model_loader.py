@@ -25,7 +25,7 @@ __all__ = ['ModelRegistry', 'get_model_architecture', 'get_safetensors_files', '
 class _ModelRegistry:
     """Architecture name (config.json `architectures`) -> model class, imported lazily from "module:Class".
 
-    Source: vLLM v0.11 model_executor/models/registry.py `_ModelRegistry`."""
+    Source: vLLM v0.15 model_executor/models/registry.py `_ModelRegistry`."""
 
     def __init__(self, models: dict[str, str]):
         self.models = dict(models)
@@ -68,7 +68,7 @@ ModelRegistry = _ModelRegistry(
 def get_model_architecture(model_config: Any) -> tuple[type[nn.Module], str]:
     """(model class, architecture name) for `model_config.hf_config.architectures`.
 
-    Raises `ValueError` naming the field and the supported architectures. Source: vLLM v0.11
+    Raises `ValueError` naming the field and the supported architectures. Source: vLLM v0.15
     model_loader/utils.py."""
     archs = list(getattr(model_config.hf_config, "architectures", None) or [])
     return ModelRegistry.resolve_model_cls(archs)
@@ -93,7 +93,7 @@ def get_safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def safetensors_weights_iterator(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of every file, one at a time. Source: vLLM v0.11
+    """Yield (name, CPU tensor) for every tensor of every file, one at a time. Source: vLLM v0.15
     weight_utils.py."""
     from safetensors import safe_open
 
@@ -119,7 +119,7 @@ def process_weights_after_loading(
 ) -> None:
     """Let every submodule that defines `process_weights_after_loading()` finish its weights, once, after the
     checkpoint is in (on the CPU, linear layers and the LM head switch to prepacked oneDNN weights).
-    Source: vLLM v0.11 model_executor/model_loader/utils.py `process_weights_after_loading`."""
+    Source: vLLM v0.15 model_executor/model_loader/utils.py `process_weights_after_loading`."""
     for module in model.modules():
         hook = getattr(module, "process_weights_after_loading", None)
         if callable(hook):
@@ -132,7 +132,7 @@ def get_model(vllm_config: Any, model_config: Any = None) -> nn.Module:
     eval mode.
 
     Raises `ValueError` for an unsupported architecture, no safetensors files, or parameters left unloaded.
-    Source: vLLM v0.11 model_executor/model_loader/__init__.py `get_model`, default_loader.py
+    Source: vLLM v0.15 model_executor/model_loader/__init__.py `get_model`, default_loader.py
     `DefaultModelLoader.load_model`."""
     model_config = model_config or vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)

@@ -16,7 +16,7 @@ def get_tokenizer(tokenizer_name: str | Path, *args, trust_remote_code: bool = F
     """The fast tokenizer in local folder `tokenizer_name` (AutoTokenizer, use_fast=True).
 
     Raises `ValueError` if the folder does not exist (no model hub) or holds no fast tokenizer.
-    Source: vLLM v0.11 transformers_utils/tokenizer.py `get_tokenizer`."""
+    Source: vLLM v0.15 transformers_utils/tokenizer.py `get_tokenizer`."""
     from transformers import AutoTokenizer
 
     path = Path(tokenizer_name)

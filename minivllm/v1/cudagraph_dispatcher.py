@@ -19,7 +19,7 @@ __all__ = ['BatchDescriptor', 'is_uniform_decode', 'CudagraphDispatcher', 'pad_a
 class BatchDescriptor(NamedTuple):
     """Identifies a captured CUDA graph: num_tokens (padded), num_reqs (padded; None = any, for mixed batches)
     and uniform_decode (every request has the same query length, 1 without speculative decoding).
-    Source: vLLM v0.11 forward_context.py `BatchDescriptor`."""
+    Source: vLLM v0.15 forward_context.py `BatchDescriptor`."""
 
     num_tokens: int
     num_reqs: int | None = None
@@ -42,7 +42,7 @@ def is_uniform_decode(
 class CudagraphDispatcher:
     """Maps each step to a captured CUDA graph. `cudagraph_keys`: runtime mode (FULL or PIECEWISE) -> set of
     `BatchDescriptor`; filled by `initialize_cudagraph_keys`. `compilation_config` gets its capture sizes
-    fixed for `max_num_reqs` / `max_num_tokens` here. Source: vLLM v0.11 v1/cudagraph_dispatcher.py
+    fixed for `max_num_reqs` / `max_num_tokens` here. Source: vLLM v0.15 v1/cudagraph_dispatcher.py
     `CudagraphDispatcher`."""
 
     def __init__(self, compilation_config: CompilationConfig, max_num_reqs: int, max_num_tokens: int):
@@ -88,7 +88,7 @@ class CudagraphDispatcher:
         self, num_tokens: int, uniform_decode: bool = False, num_reqs: int | None = None
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """(runtime mode, key) for a step of `num_tokens` tokens: a FULL/PIECEWISE key padded to a capture
-        size, or (NONE, the unpadded descriptor) to run eager. Source: vLLM v0.11 cudagraph_dispatcher.py
+        size, or (NONE, the unpadded descriptor) to run eager. Source: vLLM v0.15 cudagraph_dispatcher.py
         `dispatch`."""
         eager = (CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, uniform_decode))
         padded = self.padded_num_tokens(num_tokens) if self.keys_initialized else None
@@ -119,7 +119,7 @@ def pad_attn_inputs(
     query_start_loc: (>= num_padded_reqs + 1,) int32, entries r+1..R become num_tokens (empty requests);
     seq_lens: (>= num_padded_reqs,) int32, entries r..R-1 become 0; each slot mapping: (>= num_padded_tokens,)
     int64, entries n..N-1 become -1. Raises `ValueError` when padding would shrink the step.
-    Source: vLLM v0.11 gpu_model_runner.py (padding for CUDA graphs; our helper)."""
+    Source: vLLM v0.15 gpu_model_runner.py (padding for CUDA graphs; our helper)."""
     if num_padded_reqs < num_reqs or num_padded_tokens < num_tokens:
         raise ValueError(
             f"cannot pad ({num_reqs} reqs, {num_tokens} tokens) to ({num_padded_reqs}, {num_padded_tokens})"

@@ -27,7 +27,7 @@ def get_dtype_size(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Base spec: `block_size` tokens per block. Source: vLLM v0.11 v1/kv_cache_interface.py `KVCacheSpec`."""
+    """Base spec: `block_size` tokens per block. Source: vLLM v0.15 v1/kv_cache_interface.py `KVCacheSpec`."""
 
     block_size: int
 
@@ -43,7 +43,7 @@ class KVCacheSpec:
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
     """K and V for `num_kv_heads` heads of `head_size` in `dtype`: page = 2 * block_size * heads *
-    head_size * bytes. Source: vLLM v0.11 `AttentionSpec`."""
+    head_size * bytes. Source: vLLM v0.15 `AttentionSpec`."""
 
     num_kv_heads: int
     head_size: int
@@ -57,7 +57,7 @@ class AttentionSpec(KVCacheSpec):
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
     """Causal attention over the whole context: every block is kept. `sliding_window` is set only when
-    a hybrid model's sliding layers are served by the full manager. Source: vLLM v0.11 `FullAttentionSpec`."""
+    a hybrid model's sliding layers are served by the full manager. Source: vLLM v0.15 `FullAttentionSpec`."""
 
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
@@ -67,7 +67,7 @@ class FullAttentionSpec(AttentionSpec):
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention (DeepSeek): one compressed latent per token instead of separate K and
     V, so a page is block_size * num_kv_heads * head_size * bytes (no factor 2). Served like full
-    attention. Source: vLLM v0.11 `MLAAttentionSpec`."""
+    attention. Source: vLLM v0.15 `MLAAttentionSpec`."""
 
     @property
     def page_size_bytes(self) -> int:
@@ -76,7 +76,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 # %% ../../nbs/10_kv_cache_interface.ipynb #2a663cdc
 @dataclass(frozen=True)
 class SlidingWindowSpec(AttentionSpec):
-    """Attention over the last `sliding_window` tokens: older blocks can be freed. Source: vLLM v0.11
+    """Attention over the last `sliding_window` tokens: older blocks can be freed. Source: vLLM v0.15
     `SlidingWindowSpec`."""
 
     sliding_window: int = 0
@@ -88,7 +88,7 @@ class SlidingWindowSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
-    """Attention within fixed chunks of `attention_chunk_size` tokens. Source: vLLM v0.11
+    """Attention within fixed chunks of `attention_chunk_size` tokens. Source: vLLM v0.15
     `ChunkedLocalAttentionSpec`."""
 
     attention_chunk_size: int = 0
@@ -96,7 +96,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class CrossAttentionSpec(AttentionSpec):
-    """Decoder cross-attention to encoder outputs (encoder-decoder models). Source: vLLM v0.11
+    """Decoder cross-attention to encoder outputs (encoder-decoder models). Source: vLLM v0.15
     `CrossAttentionSpec`."""
 
 
@@ -104,7 +104,7 @@ class CrossAttentionSpec(AttentionSpec):
 class MambaSpec(KVCacheSpec):
     """State-space layer state: one fixed-size state per request (`page_size_bytes` given directly).
     `mamba_cache_mode`: "none" keeps only the latest state, "align" keeps block-aligned states for
-    prefix caching. Source: vLLM v0.11 `MambaSpec`."""
+    prefix caching. Source: vLLM v0.15 `MambaSpec`."""
 
     shapes: tuple = ()
     dtypes: tuple = ()
@@ -120,7 +120,7 @@ class MambaSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class SinkFullAttentionSpec(FullAttentionSpec):
-    """Full attention with `sink_len` learned sink tokens kept in their own blocks. Source: vLLM v0.11
+    """Full attention with `sink_len` learned sink tokens kept in their own blocks. Source: vLLM v0.15
     `SinkFullAttentionSpec`."""
 
     sink_len: int = 0
@@ -128,7 +128,7 @@ class SinkFullAttentionSpec(FullAttentionSpec):
 # %% ../../nbs/10_kv_cache_interface.ipynb #e4097f06
 @dataclass
 class KVCacheTensor:
-    "One allocation of `size` bytes shared by the layers in `shared_by`. Source: vLLM v0.11 `KVCacheTensor`."
+    "One allocation of `size` bytes shared by the layers in `shared_by`. Source: vLLM v0.15 `KVCacheTensor`."
 
     size: int
     shared_by: list[str]
@@ -136,7 +136,7 @@ class KVCacheTensor:
 
 @dataclass
 class KVCacheGroupSpec:
-    "Layers managed together (one block table). Source: vLLM v0.11 `KVCacheGroupSpec`."
+    "Layers managed together (one block table). Source: vLLM v0.15 `KVCacheGroupSpec`."
 
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
@@ -145,7 +145,7 @@ class KVCacheGroupSpec:
 @dataclass
 class KVCacheConfig:
     """Result of KV cache sizing: `num_blocks` blocks per group, the tensors to allocate and the groups.
-    Source: vLLM v0.11 v1/kv_cache_interface.py `KVCacheConfig`."""
+    Source: vLLM v0.15 v1/kv_cache_interface.py `KVCacheConfig`."""
 
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]

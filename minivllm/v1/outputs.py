@@ -19,7 +19,7 @@ __all__ = ['EMPTY_MODEL_RUNNER_OUTPUT', 'LogprobsTensors', 'SamplerOutput', 'KVC
 class LogprobsTensors(NamedTuple):
     """Top-k logprobs as tensors. logprob_token_ids: (num_tokens, k + 1) int64, [sampled, top-1..top-k];
     logprobs: (num_tokens, k + 1) float32; selected_token_ranks: (num_tokens,) int64 (1 = most likely).
-    Source: vLLM v0.11 v1/outputs.py `LogprobsTensors`."""
+    Source: vLLM v0.15 v1/outputs.py `LogprobsTensors`."""
 
     logprob_token_ids: torch.Tensor
     logprobs: torch.Tensor
@@ -34,7 +34,7 @@ class LogprobsTensors(NamedTuple):
 @dataclass
 class SamplerOutput:
     """sampled_token_ids: (num_reqs, 1) int64 on the model's device; logprobs_tensors when any request asked.
-    Source: vLLM v0.11 v1/outputs.py `SamplerOutput`."""
+    Source: vLLM v0.15 v1/outputs.py `SamplerOutput`."""
 
     sampled_token_ids: torch.Tensor
     logprobs_tensors: LogprobsTensors | None = None
@@ -69,7 +69,7 @@ class KVConnectorOutput:
 class ModelRunnerOutput:
     """Result of one step. `sampled_token_ids[i]` belongs to `req_ids[i]` (empty while a prefill is
     unfinished); `logprobs` rows follow the same order; `prompt_logprobs_dict[req_id]` covers the prompt
-    tokens computed this step. Source: vLLM v0.11 v1/outputs.py:160 `ModelRunnerOutput`."""
+    tokens computed this step. Source: vLLM v0.15 v1/outputs.py:160 `ModelRunnerOutput`."""
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]

@@ -21,7 +21,7 @@ __all__ = ['RequestStatus', 'Request']
 # %% ../../nbs/05_request.ipynb #6ed6df8f
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request in the engine core; every status after PREEMPTED is finished.
-    Source: vLLM v0.11 v1/request.py `RequestStatus`."""
+    Source: vLLM v0.15 v1/request.py `RequestStatus`."""
 
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
@@ -58,7 +58,7 @@ class Request:
 
     Token counts are in tokens; `arrival_time` is time.time() seconds. `block_hasher(request)` returns
     the new full-block hashes (list of bytes) and is called on creation and on every append.
-    Source: vLLM v0.11 v1/request.py `Request`."""
+    Source: vLLM v0.15 v1/request.py `Request`."""
 
     def __init__(
         self,

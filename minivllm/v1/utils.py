@@ -22,7 +22,7 @@ class CpuGpuBuffer:
 
     `copy_to_gpu(n)` copies the first n rows (all when None) with non_blocking=True and returns the device
     slice. When `device` is the CPU, `gpu` is the `cpu` tensor itself and the copy is a no-op.
-    Source: vLLM v0.11 v1/utils.py `CpuGpuBuffer`."""
+    Source: vLLM v0.15 v1/utils.py `CpuGpuBuffer`."""
 
     def __init__(
         self,

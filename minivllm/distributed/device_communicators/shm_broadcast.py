@@ -34,14 +34,14 @@ _fence_lock = threading.Lock()
 
 def memory_fence() -> None:
     """Full memory barrier between plain loads/stores to shared memory (a lock's acquire and release order
-    them on every CPU). Source: vLLM v0.11 shm_broadcast.py `memory_fence`."""
+    them on every CPU). Source: vLLM v0.15 shm_broadcast.py `memory_fence`."""
     _fence_lock.acquire()
     _fence_lock.release()
 
 
 class SpinSleepTimer:
     """Wait strategy for flag polling: `sched_yield` for `busy_s` seconds, then naps of `sleep_s`, then
-    `idle_sleep_s` once the wait is older than `idle_s`. Source: vLLM v0.11 shm_broadcast.py
+    `idle_sleep_s` once the wait is older than `idle_s`. Source: vLLM v0.15 shm_broadcast.py
     `SpinTimer`/`SpinSleepTimer`."""
 
     def __init__(
@@ -65,7 +65,7 @@ class ShmRingBuffer:
     """`max_chunks` chunks of `max_chunk_bytes` bytes, then `max_chunks × (1 + n_reader)` flag bytes
     (`[written, read_0, …, read_{n-1}]` per chunk), in one `SharedMemory` block. `name=None` creates the
     block (zeroed); a name attaches to an existing one (FileNotFoundError if it is gone).
-    Source: vLLM v0.11 shm_broadcast.py `ShmRingBuffer`."""
+    Source: vLLM v0.15 shm_broadcast.py `ShmRingBuffer`."""
 
     def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None):
         self.n_reader, self.max_chunk_bytes, self.max_chunks = n_reader, max_chunk_bytes, max_chunks
@@ -148,7 +148,7 @@ _OVERFLOW, _HEADER = 1, struct.Struct("<BQ")
 
 @dataclass
 class Handle:
-    "How to attach to a `MessageQueue` as a reader. Source: vLLM v0.11 shm_broadcast.py `Handle`."
+    "How to attach to a `MessageQueue` as a reader. Source: vLLM v0.15 shm_broadcast.py `Handle`."
 
     local_reader_ranks: list[int] = field(default_factory=list)
     buffer_handle: tuple[int, int, int, str] | None = None
@@ -162,7 +162,7 @@ def _ipc_path() -> str:
 class MessageQueue:
     """One writer, `n_reader` readers; `enqueue(obj)` pickles `obj` into the next chunk (or, when it does not
     fit in `max_chunk_bytes - 9`, sends it over a ZMQ XPUB socket and marks the chunk "overflow"); every
-    reader gets every message, in order, from `dequeue`. Source: vLLM v0.11 shm_broadcast.py
+    reader gets every message, in order, from `dequeue`. Source: vLLM v0.15 shm_broadcast.py
     `MessageQueue`."""
 
     def __init__(self, n_reader: int, max_chunk_bytes: int = 10 * 1024 * 1024, max_chunks: int = 10):

@@ -20,7 +20,7 @@ class SiluAndMul(CustomOp):
     """silu(x[..., :d]) * x[..., d:] for x of last dim 2d; returns (..., d) in x's dtype (a new tensor).
 
     `forward_cpu` computes the same in one C pass (silu rounded to x's dtype before the multiply, as torch).
-    Source: vLLM v0.11 model_executor/layers/activation.py `SiluAndMul`; csrc/cpu/activation.cpp."""
+    Source: vLLM v0.15 model_executor/layers/activation.py `SiluAndMul`; csrc/cpu/activation.cpp."""
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2

@@ -22,7 +22,7 @@ class RMSNorm(CustomOp):
     `forward(x)` -> out with x's shape and dtype; `forward(x, residual)` first sets
     residual = x + residual and returns (norm(residual), residual). `forward_cpu` computes the same in C,
     the residual form in place (x and residual are overwritten and returned, as vLLM's kernels do): callers
-    use the returned tensors, never the arguments afterwards. Source: vLLM v0.11
+    use the returned tensors, never the arguments afterwards. Source: vLLM v0.15
     model_executor/layers/layernorm.py `RMSNorm`; csrc/cpu/layernorm.cpp."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):

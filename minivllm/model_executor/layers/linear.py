@@ -41,7 +41,7 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None
     (..., N); its `weight` argument is ignored. Sets `layer.cpu_linear = None` (plain `F.linear`) where oneDNN
     cannot pack: not a 2-D CPU weight, bfloat16 without CPU support, or env `MINIVLLM_CPU_ONEDNN_GEMM=0`.
     remove_weight: replace `layer.weight` by an empty tensor of its dtype (the packed copy is then the only
-    one; a shared, e.g. tied, weight must be kept). Source: vLLM v0.11 model_executor/layers/utils.py
+    one; a shared, e.g. tied, weight must be kept). Source: vLLM v0.15 model_executor/layers/utils.py
     `dispatch_cpu_unquantized_gemm`."""
     packed = _onednn_pack(layer.weight)
     if packed is None:
@@ -60,7 +60,7 @@ def unquantized_gemm(
     layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ weight.T + bias for `layer`: its `cpu_linear` when `dispatch_cpu_unquantized_gemm` gave it one,
-    else `F.linear`. x: (..., K) -> (..., N). Source: vLLM v0.11 model_executor/layers/utils.py
+    else `F.linear`. x: (..., K) -> (..., N). Source: vLLM v0.15 model_executor/layers/utils.py
     `dispatch_unquantized_gemm`, `cpu_unquantized_gemm`."""
     cpu_linear = getattr(layer, "cpu_linear", None)
     return F.linear(x, weight, bias) if cpu_linear is None else cpu_linear(x, weight, bias)
@@ -70,7 +70,7 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     """Copy a whole checkpoint tensor into `param` (casting dtype/device); raises `ValueError` on a shape
     mismatch.
 
-    Source: vLLM v0.11 model_executor/model_loader/weight_utils.py `default_weight_loader`."""
+    Source: vLLM v0.15 model_executor/model_loader/weight_utils.py `default_weight_loader`."""
     if param.shape != loaded_weight.shape:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
@@ -83,7 +83,7 @@ class LinearBase(nn.Module):
     """y = x @ weight.T + bias with weight (output_size, input_size) in the default dtype, left uninitialised.
 
     `forward(x: (..., input_size))` -> `(y: (..., output_size), output_bias)`; output_bias is the bias when
-    `skip_bias_add`, else None. Source: vLLM v0.11 model_executor/layers/linear.py `LinearBase`."""
+    `skip_bias_add`, else None. Source: vLLM v0.15 model_executor/layers/linear.py `LinearBase`."""
 
     def __init__(
         self,
@@ -132,16 +132,16 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    "A full copy of the matrix on every rank. Source: vLLM v0.11 `ReplicatedLinear`."
+    "A full copy of the matrix on every rank. Source: vLLM v0.15 `ReplicatedLinear`."
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output dim split over tensor-parallel ranks (one rank here: the whole matrix). Source: vLLM v0.11
+    """Output dim split over tensor-parallel ranks (one rank here: the whole matrix). Source: vLLM v0.15
     `ColumnParallelLinear`."""
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split over tensor-parallel ranks, all-reduced after (one rank here). Source: vLLM v0.11
+    """Input dim split over tensor-parallel ranks, all-reduced after (one rank here). Source: vLLM v0.15
     `RowParallelLinear`."""
 
 # %% ../../../nbs/30b_linear.ipynb #bdc03e71
@@ -164,7 +164,7 @@ class _ShardedLinear(ColumnParallelLinear):
 class MergedColumnParallelLinear(_ShardedLinear):
     """Several column-parallel matrices of `output_sizes` rows stacked into one (shard ids 0, 1, ...).
 
-    weight: (sum(output_sizes), input_size). Source: vLLM v0.11 model_executor/layers/linear.py
+    weight: (sum(output_sizes), input_size). Source: vLLM v0.15 model_executor/layers/linear.py
     `MergedColumnParallelLinear`."""
 
     def __init__(
@@ -187,7 +187,7 @@ class QKVParallelLinear(_ShardedLinear):
     rows.
 
     Shard ids "q", "k", "v". `total_num_kv_heads` defaults to `total_num_heads` (no GQA).
-    Source: vLLM v0.11 model_executor/layers/linear.py `QKVParallelLinear`."""
+    Source: vLLM v0.15 model_executor/layers/linear.py `QKVParallelLinear`."""
 
     def __init__(
         self,

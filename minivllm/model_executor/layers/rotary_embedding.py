@@ -25,7 +25,7 @@ class RotaryEmbedding(CustomOp):
     Buffer `cos_sin_cache`: (max_position_embeddings, rotary_dim) float32, [cos | sin].
     `forward(positions: (T,) int64, query: (T, Hq*head_size), key: (T, Hkv*head_size) | None)` -> (query, key)
     rotated, same shapes and dtypes: new tensors from `forward_native`, the arguments rotated in place from
-    `forward_cpu`. Source: vLLM v0.11 rotary_embedding/base.py `RotaryEmbedding`;
+    `forward_cpu`. Source: vLLM v0.15 rotary_embedding/base.py `RotaryEmbedding`;
     csrc/cpu/pos_encoding.cpp."""
 
     def __init__(
@@ -125,7 +125,7 @@ def extra_repr(self: RotaryEmbedding) -> str:
 
 # %% ../../../nbs/31_rotary_embedding.ipynb #4ed7fe7f
 class Llama3RotaryEmbedding(RotaryEmbedding):
-    """RoPE with Llama 3.x frequency scaling (`rope_type: llama3`). Source: vLLM v0.11
+    """RoPE with Llama 3.x frequency scaling (`rope_type: llama3`). Source: vLLM v0.15
     rotary_embedding/llama3_rope.py."""
 
     def __init__(
@@ -160,7 +160,7 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
-    """RoPE with every frequency divided by `scaling_factor` (`rope_type: linear`). Source: vLLM v0.11
+    """RoPE with every frequency divided by `scaling_factor` (`rope_type: linear`). Source: vLLM v0.15
     linear_scaling_rope.py."""
 
     def __init__(
@@ -197,7 +197,7 @@ def get_rope(
 
     `rope_scaling` (or transformers v5 `rope_parameters`, same dict) selects the variant by `rope_type`
     (legacy key `type`): None/"default", "llama3", "linear"; extra keys such as `rope_theta` are ignored.
-    Raises `ValueError` for other rope types. Source: vLLM v0.11 rotary_embedding/__init__.py `get_rope`."""
+    Raises `ValueError` for other rope types. Source: vLLM v0.15 rotary_embedding/__init__.py `get_rope`."""
     scaling = dict(rope_scaling or rope_parameters or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     key = (

@@ -18,7 +18,7 @@ __all__ = ['VocabParallelEmbedding', 'ParallelLMHead']
 class VocabParallelEmbedding(nn.Module):
     """Embedding table weight (num_embeddings, embedding_dim), uninitialised until loaded.
 
-    `forward(input_ids: (T,) int64)` -> (T, embedding_dim). Source: vLLM v0.11 vocab_parallel_embedding.py
+    `forward(input_ids: (T,) int64)` -> (T, embedding_dim). Source: vLLM v0.15 vocab_parallel_embedding.py
     `VocabParallelEmbedding`."""
 
     def __init__(
@@ -50,7 +50,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection (num_embeddings, embedding_dim); logits = hidden @ weight.T (see the model's
     `compute_logits`).
 
-    Source: vLLM v0.11 vocab_parallel_embedding.py `ParallelLMHead`."""
+    Source: vLLM v0.15 vocab_parallel_embedding.py `ParallelLMHead`."""
 
     def __init__(
         self,
@@ -76,7 +76,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         """On the CPU, also keep a oneDNN-prepacked copy for the logits matmul (`unquantized_gemm(lm_head,
-        ...)`); the plain weight stays, since a tied head shares it with the embedding. Source: vLLM v0.11
+        ...)`); the plain weight stays, since a tied head shares it with the embedding. Source: vLLM v0.15
         vocab_parallel_embedding.py `UnquantizedEmbeddingMethod.process_weights_after_loading`."""
         if self.weight.device.type == "cpu":
             dispatch_cpu_unquantized_gemm(self, remove_weight=False)

@@ -31,7 +31,7 @@ class GemmaRMSNorm(nn.Module):
     """y = x / sqrt(mean(x², -1) + eps) * (1 + weight), computed in float32, returned in x's dtype.
 
     weight: (hidden_size,), zeros at init (identity scale). `forward(x)` -> y; `forward(x, residual)` first
-    sets residual = x + residual (in x's dtype) and returns (norm(residual), residual). Source: vLLM v0.11
+    sets residual = x + residual (in x's dtype) and returns (norm(residual), residual). Source: vLLM v0.15
     model_executor/layers/layernorm.py `GemmaRMSNorm`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -54,7 +54,7 @@ class GemmaRMSNorm(nn.Module):
 
 class GeluAndMul(nn.Module):
     """gelu(x[..., :d]) * x[..., d:] for x of last dim 2d -> (..., d); `approximate` "none" or "tanh".
-    Source: vLLM v0.11 model_executor/layers/activation.py `GeluAndMul`."""
+    Source: vLLM v0.15 model_executor/layers/activation.py `GeluAndMul`."""
 
     def __init__(self, approximate: str = "none"):
         super().__init__()
@@ -104,7 +104,7 @@ def get_gemma3_rope_settings(config: Any, layer_type: str) -> tuple[float, dict 
 # %% ../../../nbs/35b_gemma3.ipynb #a39db818
 class Gemma3MLP(nn.Module):
     """down_proj(gelu_tanh(gate) * up), gate/up fused: (T, hidden_size) -> (T, hidden_size).
-    Raises `ValueError` unless `hidden_activation` is gelu_pytorch_tanh. Source: vLLM v0.11 gemma3.py
+    Raises `ValueError` unless `hidden_activation` is gelu_pytorch_tanh. Source: vLLM v0.15 gemma3.py
     `Gemma3MLP`."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_activation: str, prefix: str = ""):
@@ -131,7 +131,7 @@ class Gemma3Attention(nn.Module):
     Scale `query_pre_attn_scalar ** -0.5`; window `config.sliding_window` on "sliding_attention" layers, none
     on "full_attention" ones. `forward(positions: (T,), hidden_states: (T, hidden_size))` -> (T, hidden_size).
     Raises `ValueError` for `use_bidirectional_attention` (embedding variants; minivllm attends causally).
-    Source: vLLM v0.11 gemma3.py `Gemma3Attention`."""
+    Source: vLLM v0.15 gemma3.py `Gemma3Attention`."""
 
     def __init__(self, config: Any, layer_idx: int, prefix: str = ""):
         super().__init__()
@@ -190,7 +190,7 @@ class Gemma3Attention(nn.Module):
 # %% ../../../nbs/35b_gemma3.ipynb #1178fc2f
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich-norm decoder block. `forward(positions, hidden_states: (T, H), residual: (T, H) | None)` ->
-    (hidden_states, residual); their sum is the layer's output. Source: vLLM v0.11 gemma3.py
+    (hidden_states, residual); their sum is the layer's output. Source: vLLM v0.15 gemma3.py
     `Gemma3DecoderLayer`."""
 
     def __init__(self, config: Any, layer_idx: int, prefix: str = ""):
@@ -223,7 +223,7 @@ class Gemma3Model(nn.Module):
     """Scaled embedding, `num_hidden_layers` decoder layers, final norm.
 
     `forward(input_ids: (T,) int64, positions: (T,) int64, inputs_embeds: (T, H) | None)` -> (T, H); given
-    `inputs_embeds` are used as they are (already scaled). Source: vLLM v0.11 gemma3.py `Gemma3Model`."""
+    `inputs_embeds` are used as they are (already scaled). Source: vLLM v0.15 gemma3.py `Gemma3Model`."""
 
     def __init__(self, config: Any, prefix: str = ""):
         super().__init__()
@@ -265,7 +265,7 @@ class Gemma3ForCausalLM(nn.Module):
     dtype; `compute_logits(hidden_states: (n, hidden_size))` -> (n, vocab_size) float32, soft-capped by
     `final_logit_softcapping` when set; `load_weights(Iterable[(hf_name, tensor)])` -> set of parameter names
     fully loaded (raises `KeyError` for an unknown name). Config from
-    `vllm_config.model_config.hf_text_config`. Source: vLLM v0.11 gemma3.py `Gemma3ForCausalLM`."""
+    `vllm_config.model_config.hf_text_config`. Source: vLLM v0.15 gemma3.py `Gemma3ForCausalLM`."""
 
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

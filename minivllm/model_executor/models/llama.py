@@ -31,7 +31,7 @@ __all__ = ['maybe_prefix', 'get_head_dim', 'get_rope_settings', 'get_layer_slidi
 
 # %% ../../../nbs/34_llama.ipynb #7f483f83
 def maybe_prefix(prefix: str, name: str) -> str:
-    """`prefix.name`, or `name` if prefix is empty. Source: vLLM v0.11 model_executor/models/utils.py
+    """`prefix.name`, or `name` if prefix is empty. Source: vLLM v0.15 model_executor/models/utils.py
     `maybe_prefix`."""
     return f"{prefix}.{name}" if prefix else name
 
@@ -61,7 +61,7 @@ def get_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
 # %% ../../../nbs/34_llama.ipynb #efb89b91
 class LlamaMLP(nn.Module):
-    """down_proj(silu(gate) * up) with gate/up fused: (T, hidden_size) -> (T, hidden_size). Source: vLLM v0.11
+    """down_proj(silu(gate) * up) with gate/up fused: (T, hidden_size) -> (T, hidden_size). Source: vLLM v0.15
     llama.py `LlamaMLP`."""
 
     def __init__(
@@ -92,7 +92,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention: qkv_proj -> (q/k norm hook) -> RoPE -> paged `Attention` -> o_proj.
 
-    `forward(positions: (T,), hidden_states: (T, hidden_size))` -> (T, hidden_size). Source: vLLM v0.11
+    `forward(positions: (T,), hidden_states: (T, hidden_size))` -> (T, hidden_size). Source: vLLM v0.15
     llama.py `LlamaAttention`."""
 
     def __init__(
@@ -154,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
 
     `forward(positions, hidden_states: (T, H), residual: (T, H) | None)` -> (hidden_states, residual); the
     caller adds them after the last layer. `attn_cls` is the attention class (subclasses swap it).
-    Source: vLLM v0.11 llama.py `LlamaDecoderLayer`."""
+    Source: vLLM v0.15 llama.py `LlamaDecoderLayer`."""
 
     attn_cls: type[LlamaAttention] = LlamaAttention
 
@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
     """Embedding, `num_hidden_layers` decoder layers of `layer_type`, final norm.
 
     `forward(input_ids: (T,) int64, positions: (T,) int64, inputs_embeds: (T, H) | None)` -> (T, H).
-    Source: vLLM v0.11 llama.py `LlamaModel`."""
+    Source: vLLM v0.15 llama.py `LlamaModel`."""
 
     def __init__(
         self, config: Any, prefix: str = "", layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer
@@ -240,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
     dtype; `compute_logits(hidden_states: (n, hidden_size))` -> (n, vocab_size) float32;
     `load_weights(Iterable[(hf_name, tensor)])` -> set of parameter names fully loaded (a fused parameter
     counts once all its shards arrived; raises `KeyError` for an unknown name). Config from
-    `vllm_config.model_config.hf_text_config`. Source: vLLM v0.11 llama.py `LlamaForCausalLM`."""
+    `vllm_config.model_config.hf_text_config`. Source: vLLM v0.15 llama.py `LlamaForCausalLM`."""
 
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

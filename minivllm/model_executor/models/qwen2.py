@@ -14,7 +14,7 @@ __all__ = ['Qwen2DecoderLayer', 'Qwen2ForCausalLM']
 
 # %% ../../../nbs/35_qwen2.ipynb #ae9af908
 class Qwen2DecoderLayer(LlamaDecoderLayer):
-    """Llama decoder layer with bias on q/k/v (o_proj has none). Source: vLLM v0.11 qwen2.py
+    """Llama decoder layer with bias on q/k/v (o_proj has none). Source: vLLM v0.15 qwen2.py
     `Qwen2DecoderLayer`."""
 
     @staticmethod
@@ -23,7 +23,7 @@ class Qwen2DecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2 / Qwen2.5 causal LM; same API as `LlamaForCausalLM`. Source: vLLM v0.11 qwen2.py
+    """Qwen2 / Qwen2.5 causal LM; same API as `LlamaForCausalLM`. Source: vLLM v0.15 qwen2.py
     `Qwen2ForCausalLM`."""
 
     layer_type = Qwen2DecoderLayer

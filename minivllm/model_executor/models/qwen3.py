@@ -18,7 +18,7 @@ __all__ = ['Qwen3Attention', 'Qwen3DecoderLayer', 'Qwen3ForCausalLM']
 # %% ../../../nbs/35a_qwen3.ipynb #c1c3753c
 class Qwen3Attention(LlamaAttention):
     """Llama attention with RMSNorm over each head of q and k (`q_norm`, `k_norm`, weight (head_dim,)) before
-    RoPE. Source: vLLM v0.11 qwen3.py `Qwen3Attention`."""
+    RoPE. Source: vLLM v0.15 qwen3.py `Qwen3Attention`."""
 
     def __init__(self, config: Any, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -33,13 +33,13 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
-    "Llama decoder layer with `Qwen3Attention`. Source: vLLM v0.11 qwen3.py `Qwen3DecoderLayer`."
+    "Llama decoder layer with `Qwen3Attention`. Source: vLLM v0.15 qwen3.py `Qwen3DecoderLayer`."
 
     attn_cls = Qwen3Attention
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3 (dense) causal LM; same API as `LlamaForCausalLM`. Source: vLLM v0.11 qwen3.py
+    """Qwen3 (dense) causal LM; same API as `LlamaForCausalLM`. Source: vLLM v0.15 qwen3.py
     `Qwen3ForCausalLM`."""
 
     layer_type = Qwen3DecoderLayer

@@ -31,7 +31,7 @@ __all__ = ['logger', 'BlockHashToBlockMap', 'BlockPool']
 # %% ../../../nbs/12_block_pool.ipynb #3d70be5e
 class BlockHashToBlockMap:
     """Prefix-cache index: key → one `KVCacheBlock`, or `{block_id: block}` when several blocks share the key.
-    Source: vLLM v0.11 v1/core/block_pool.py `BlockHashToBlockMap`."""
+    Source: vLLM v0.15 v1/core/block_pool.py `BlockHashToBlockMap`."""
 
     def __init__(self):
         self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -85,7 +85,7 @@ class BlockHashToBlockMap:
 class BlockPool:
     """All `num_gpu_blocks` KV cache blocks: allocation, freeing, prefix-cache index and eviction. Block 0
     is the null block. `hash_block_size` is the token count per entry of `request.block_hashes`.
-    Source: vLLM v0.11 v1/core/block_pool.py `BlockPool`."""
+    Source: vLLM v0.15 v1/core/block_pool.py `BlockPool`."""
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ __all__ = ['KVCacheCoordinator', 'KVCacheCoordinatorNoPrefixCache', 'UnitaryKVCa
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #f6533ca9
 class KVCacheCoordinator(ABC):
     """Runs each operation over every KV cache group's manager; owns the shared `BlockPool` of
-    `kv_cache_config.num_blocks` blocks. Source: vLLM v0.11 v1/core/kv_cache_coordinator.py
+    `kv_cache_config.num_blocks` blocks. Source: vLLM v0.15 v1/core/kv_cache_coordinator.py
     `KVCacheCoordinator`."""
 
     def __init__(
@@ -172,7 +172,7 @@ def get_blocks(self: KVCacheCoordinator, request_id: str) -> tuple[list[KVCacheB
 
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #92161017
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
-    """Prefix caching off: any number of groups, every lookup misses. Source: vLLM v0.11
+    """Prefix caching off: any number of groups, every lookup misses. Source: vLLM v0.15
     `KVCacheCoordinatorNoPrefixCache`."""
 
     def __init__(
@@ -205,7 +205,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #39891f99
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """Exactly one KV cache group: the hit is that manager's scan. Source: vLLM v0.11
+    """Exactly one KV cache group: the hit is that manager's scan. Source: vLLM v0.15
     `UnitaryKVCacheCoordinator`."""
 
     def __init__(self, *args, **kwargs):
@@ -234,7 +234,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 # %% ../../../nbs/14_kv_cache_coordinator.ipynb #0977d2ba
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several KV cache groups of different attention types with prefix caching: the hit length is the
-    fixed point of every type's longest hit. Source: vLLM v0.11 v1/core/kv_cache_coordinator.py
+    fixed point of every type's longest hit. Source: vLLM v0.15 v1/core/kv_cache_coordinator.py
     `HybridKVCacheCoordinator`."""
 
     def __init__(self, *args, **kwargs):
@@ -305,7 +305,7 @@ def get_kv_cache_coordinator(
     hash_block_size: int,
     metrics_collector: KVCacheMetricsCollector | None = None,
 ) -> KVCacheCoordinator:
-    """No-prefix-cache, unitary (1 group) or hybrid coordinator for `kv_cache_config`. Source: vLLM v0.11
+    """No-prefix-cache, unitary (1 group) or hybrid coordinator for `kv_cache_config`. Source: vLLM v0.15
     `get_kv_cache_coordinator`."""
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(

@@ -25,7 +25,7 @@ __all__ = ['KVCacheBlocks', 'KVCacheManager']
 # %% ../../../nbs/15_kv_cache_manager.ipynb #ce589c64
 @dataclass
 class KVCacheBlocks:
-    """Blocks per KV cache group: `blocks[i][j]` is group i's j-th block. Source: vLLM v0.11
+    """Blocks per KV cache group: `blocks[i][j]` is group i's j-th block. Source: vLLM v0.15
     v1/core/kv_cache_manager.py `KVCacheBlocks`."""
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
@@ -52,7 +52,7 @@ class KVCacheBlocks:
 # %% ../../../nbs/15_kv_cache_manager.ipynb #2ac330b0
 class KVCacheManager:
     """Allocates KV cache blocks to requests and finds their prefix-cache hits, over all KV cache groups of
-    `kv_cache_config`. Source: vLLM v0.11 v1/core/kv_cache_manager.py `KVCacheManager`."""
+    `kv_cache_config`. Source: vLLM v0.15 v1/core/kv_cache_manager.py `KVCacheManager`."""
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ __all__ = ['KVCacheEvictionEvent', 'BlockMetricsState', 'KVCacheMetricsCollector
 # %% ../../../nbs/17_kv_cache_metrics.ipynb #097724f3
 @dataclass(frozen=True)
 class KVCacheEvictionEvent:
-    """Residency of one sampled block at eviction, in seconds. Source: vLLM v0.11 v1/metrics/stats.py
+    """Residency of one sampled block at eviction, in seconds. Source: vLLM v0.15 v1/metrics/stats.py
     `KVCacheEvictionEvent`."""
 
     lifetime_seconds: float
@@ -27,7 +27,7 @@ class KVCacheEvictionEvent:
 
 class BlockMetricsState:
     """Times (ns, monotonic) of one tracked block: allocation and the last `max_accesses` accesses.
-    Source: vLLM v0.11 v1/core/kv_cache_metrics.py `BlockMetricsState`."""
+    Source: vLLM v0.15 v1/core/kv_cache_metrics.py `BlockMetricsState`."""
 
     def __init__(self, now_ns: int, max_accesses: int = 4):
         self.birth_time_ns = self.last_access_ns = now_ns
@@ -51,7 +51,7 @@ class BlockMetricsState:
 class KVCacheMetricsCollector:
     """Samples blocks at allocation with probability `sample_rate` in (0, 1] and records one
     `KVCacheEvictionEvent` per evicted sampled block. `clock` returns nanoseconds (monotonic). Raises
-    `ValueError` for a rate outside (0, 1]. Source: vLLM v0.11 v1/core/kv_cache_metrics.py
+    `ValueError` for a rate outside (0, 1]. Source: vLLM v0.15 v1/core/kv_cache_metrics.py
     `KVCacheMetricsCollector`."""
 
     def __init__(self, sample_rate: float = 0.01, clock: Callable[[], int] = time.monotonic_ns):

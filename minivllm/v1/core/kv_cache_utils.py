@@ -48,7 +48,7 @@ ExternalBlockHash = bytes | int  # what KV cache events publish
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """Key of the prefix cache: `block_hash` followed by `group_id` as 4 big-endian bytes. Source: vLLM
-    v0.11 kv_cache_utils."""
+    v0.15 kv_cache_utils."""
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
 
 
@@ -64,29 +64,29 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
 
 def maybe_convert_block_hash(block_hash: BlockHash) -> ExternalBlockHash:
     """The form a block hash takes in KV cache events (bytes here; vLLM can switch to int). Source: vLLM
-    v0.11 kv_cache_utils."""
+    v0.15 kv_cache_utils."""
     return block_hash
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #bb970983
 def sha256(input: Any) -> bytes:
-    "SHA-256 (32 bytes) of `pickle.dumps(input)`. Source: vLLM v0.11 utils/hashing.py `sha256`."
+    "SHA-256 (32 bytes) of `pickle.dumps(input)`. Source: vLLM v0.15 utils/hashing.py `sha256`."
     return hashlib.sha256(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
 def sha256_cbor(input: Any) -> bytes:
-    """SHA-256 (32 bytes) of canonical CBOR of `input`: identical in every process. Source: vLLM v0.11
+    """SHA-256 (32 bytes) of canonical CBOR of `input`: identical in every process. Source: vLLM v0.15
     `sha256_cbor`."""
     return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
 
 
 def xxhash(input: Any) -> bytes:
-    """xxh3-128 (16 bytes) of `pickle.dumps(input)`; fast, not collision resistant. Source: vLLM v0.11
+    """xxh3-128 (16 bytes) of `pickle.dumps(input)`; fast, not collision resistant. Source: vLLM v0.15
     `xxhash`."""
     return _xxhash.xxh3_128_digest(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def xxhash_cbor(input: Any) -> bytes:
-    "xxh3-128 (16 bytes) of canonical CBOR of `input`. Source: vLLM v0.11 `xxhash_cbor`."
+    "xxh3-128 (16 bytes) of canonical CBOR of `input`. Source: vLLM v0.15 `xxhash_cbor`."
     return _xxhash.xxh3_128_digest(cbor2.dumps(input, canonical=True))
 
 
@@ -100,7 +100,7 @@ _HASH_FNS: dict[str, Callable[[Any], bytes]] = {
 
 def get_hash_fn_by_name(hash_fn_name: str) -> Callable[[Any], bytes]:
     """The hash function called `hash_fn_name`; raises `ValueError` for an unknown name. Source: vLLM
-    v0.11 `get_hash_fn_by_name`."""
+    v0.15 `get_hash_fn_by_name`."""
     try:
         return _HASH_FNS[hash_fn_name]
     except KeyError:
@@ -115,7 +115,7 @@ _warned_no_seed: list[bool] = []
 
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """Set the global `NONE_HASH`: `hash_fn(PYTHONHASHSEED)` when the variable is set, else 32 random
-    bytes. Source: vLLM v0.11 `init_none_hash`."""
+    bytes. Source: vLLM v0.15 `init_none_hash`."""
     global NONE_HASH
     hash_seed = os.getenv("PYTHONHASHSEED")
     if hash_seed is None:
@@ -145,7 +145,7 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Hash of one full block: `hash_function((parent or NONE_HASH, tuple(token ids), extra_keys))`.
 
-    `parent_block_hash` is None for the first block of a request. Source: vLLM v0.11 kv_cache_utils.py
+    `parent_block_hash` is None for the first block of a request. Source: vLLM v0.15 kv_cache_utils.py
     `hash_block_tokens`."""
     if not parent_block_hash:
         parent_block_hash = NONE_HASH
@@ -154,7 +154,7 @@ def hash_block_tokens(
 # %% ../../../nbs/11_kv_cache_utils.ipynb #8c5883ee
 def need_extra_keys(request) -> bool:
     """Whether the request's block hashes need extra keys (multimodal, LoRA, cache salt, prompt
-    embeddings). Source: vLLM v0.11."""
+    embeddings). Source: vLLM v0.15."""
     return (
         bool(getattr(request, "mm_features", None))
         or getattr(request, "lora_request", None) is not None
@@ -208,7 +208,7 @@ def generate_block_hash_extra_keys(
     request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[tuple[Any, ...] | None, int]:
     """Extra keys of the block `[start_token_idx, end_token_idx)` (LoRA + multimodal + cache salt + prompt
-    embeddings, None when empty) and the next `start_mm_idx`. Source: vLLM v0.11
+    embeddings, None when empty) and the next `start_mm_idx`. Source: vLLM v0.15
     `generate_block_hash_extra_keys`."""
     mm_keys, new_start_mm_idx = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
     salt = getattr(request, "cache_salt", None)
@@ -226,7 +226,7 @@ def get_request_block_hasher(
     block_size: int, caching_hash_fn: Callable[[Any], bytes]
 ) -> Callable[[Any], list[BlockHash]]:
     """A `block_hasher(request)` returning hashes of the request's newly full `block_size`-token blocks.
-    Source: vLLM v0.11 `get_request_block_hasher`."""
+    Source: vLLM v0.15 `get_request_block_hasher`."""
 
     def request_block_hasher(request) -> list[BlockHash]:
         start = len(request.block_hashes) * block_size
@@ -251,7 +251,7 @@ def get_request_block_hasher(
 # %% ../../../nbs/11_kv_cache_utils.ipynb #044e934a
 class BlockHashListWithBlockSize:
     """Read-only view of `block_hashes` (one per `hash_block_size` tokens) as one hash per
-    `target_block_size` tokens, each the concatenation of the covered hashes. Source: vLLM v0.11
+    `target_block_size` tokens, each the concatenation of the covered hashes. Source: vLLM v0.15
     kv_cache_utils.py `BlockHashListWithBlockSize`."""
 
     def __init__(self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int):
@@ -287,7 +287,7 @@ class BlockHashListWithBlockSize:
 class KVCacheBlock:
     """Metadata of one KV cache block: `block_id` in [0, num_blocks), `ref_cnt` users, the prefix-cache
     key once full and cached, and free-list links. Block 0 is the pool's null block (`is_null`).
-    Source: vLLM v0.11 `KVCacheBlock`."""
+    Source: vLLM v0.15 `KVCacheBlock`."""
 
     block_id: int
     ref_cnt: int = 0
@@ -322,7 +322,7 @@ class KVCacheBlock:
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free `KVCacheBlock`s in eviction order (front = evicted first), O(1) `remove`.
     Built from `blocks` in order. Raises `ValueError` when popping from an empty queue or removing an unlinked
-    block. Source: vLLM v0.11 kv_cache_utils.py `FreeKVCacheBlockQueue`."""
+    block. Source: vLLM v0.15 kv_cache_utils.py `FreeKVCacheBlockQueue`."""
 
     def __init__(self, blocks: list[KVCacheBlock]):
         self.num_free_blocks = len(blocks)
@@ -405,26 +405,26 @@ def _max_model_len(vllm_config) -> int:
 
 
 def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
-    """Whether all layers have the same spec (then one group suffices). Source: vLLM v0.11
+    """Whether all layers have the same spec (then one group suffices). Source: vLLM v0.15
     `is_kv_cache_spec_uniform`."""
     return len(set(kv_cache_spec.values())) <= 1
 
 
 def is_kv_cache_page_size_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
-    """Whether all layers' pages have the same size in bytes. Source: vLLM v0.11
+    """Whether all layers' pages have the same size in bytes. Source: vLLM v0.15
     `is_kv_cache_page_size_uniform`."""
     return len({s.page_size_bytes for s in kv_cache_spec.values()}) <= 1
 
 
 def max_memory_usage_bytes(max_model_len: int, kv_cache_specs) -> int:
-    """Bytes one request of `max_model_len` tokens needs over all layers. Source: vLLM v0.11
+    """Bytes one request of `max_model_len` tokens needs over all layers. Source: vLLM v0.15
     `max_memory_usage_bytes`."""
     return sum(spec.max_memory_usage_bytes(max_model_len) for spec in kv_cache_specs)
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #fd5901b3
 def estimate_max_model_len(kv_cache_spec: dict[str, KVCacheSpec], available_memory: int, upper: int) -> int:
     """Largest length in [0, upper] whose single request fits in `available_memory` (binary search).
-    Source: vLLM v0.11."""
+    Source: vLLM v0.15."""
     lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -439,7 +439,7 @@ def check_enough_kv_cache_memory(
     vllm_config, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
 ) -> None:
     """Raise `ValueError` unless one request of `max_model_len` tokens fits in `available_memory` bytes.
-    Source: vLLM v0.11 kv_cache_utils.py `check_enough_kv_cache_memory`."""
+    Source: vLLM v0.15 kv_cache_utils.py `check_enough_kv_cache_memory`."""
     if not kv_cache_spec:
         return
     max_model_len = _max_model_len(vllm_config)
@@ -466,7 +466,7 @@ def check_enough_kv_cache_memory(
 def create_kv_cache_group_specs(
     kv_cache_spec: dict[str, KVCacheSpec], grouped_layer_names: list[list[str]]
 ) -> list[KVCacheGroupSpec]:
-    """One `KVCacheGroupSpec` per list of layer names (their specs must agree). Source: vLLM v0.11
+    """One `KVCacheGroupSpec` per list of layer names (their specs must agree). Source: vLLM v0.15
     `create_kv_cache_group_specs`."""
     groups = []
     for names in grouped_layer_names:
@@ -479,7 +479,7 @@ def create_kv_cache_group_specs(
 
 def _get_kv_cache_groups_uniform_page_size(kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """Split layers by spec into groups of one size (the smallest spec count, or the largest when that pads by
-    under 25%): tensor i is then shared by the i-th layer of every group. Source: vLLM v0.11."""
+    under 25%): tensor i is then shared by the i-th layer of every group. Source: vLLM v0.15."""
     same_type: dict[KVCacheSpec, list[str]] = defaultdict(list)
     for name, spec in kv_cache_spec.items():
         same_type[spec].append(name)
@@ -495,7 +495,7 @@ def _get_kv_cache_groups_uniform_page_size(kv_cache_spec: dict[str, KVCacheSpec]
 
 def get_kv_cache_groups(vllm_config, kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """Group the layers: none for an attention-free model, one group when all specs agree, groups of equal
-    size when page sizes agree; else `NotImplementedError`. Source: vLLM v0.11 kv_cache_utils.py
+    size when page sizes agree; else `NotImplementedError`. Source: vLLM v0.15 kv_cache_utils.py
     `get_kv_cache_groups`."""
     if not kv_cache_spec:
         return []
@@ -510,7 +510,7 @@ def get_kv_cache_groups(vllm_config, kv_cache_spec: dict[str, KVCacheSpec]) -> l
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #35d76f88
 def may_override_num_blocks(vllm_config, num_blocks: int) -> int:
-    """`cache_config.num_gpu_blocks_override` when set, else `num_blocks`. Source: vLLM v0.11
+    """`cache_config.num_gpu_blocks_override` when set, else `num_blocks`. Source: vLLM v0.15
     `may_override_num_blocks`."""
     override = getattr(vllm_config.cache_config, "num_gpu_blocks_override", None)
     if override is not None:
@@ -521,13 +521,13 @@ def may_override_num_blocks(vllm_config, num_blocks: int) -> int:
 
 def get_num_blocks(vllm_config, num_layers: int, available_memory: int, page_size: int) -> int:
     """Blocks that fit: `available_memory // page_size // num_layers` (>= 0), possibly overridden. Source:
-    vLLM v0.11 `get_num_blocks`."""
+    vLLM v0.15 `get_num_blocks`."""
     num_blocks = max(int(available_memory // page_size // num_layers), 0)
     return may_override_num_blocks(vllm_config, num_blocks)
 
 
 def get_uniform_page_size(kv_cache_specs) -> int:
-    """The one page size of `kv_cache_specs` (raises `ValueError` if they differ). Source: vLLM v0.11
+    """The one page size of `kv_cache_specs` (raises `ValueError` if they differ). Source: vLLM v0.15
     `get_uniform_page_size`."""
     sizes = {s.page_size_bytes for s in kv_cache_specs}
     if len(sizes) != 1:
@@ -539,7 +539,7 @@ def get_kv_cache_config_from_groups(
     vllm_config, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
 ) -> KVCacheConfig:
     """Blocks and tensors for groups of one page size: tensor i (`page_size * num_blocks` bytes) is shared
-    by the i-th layer of each group. Source: vLLM v0.11 kv_cache_utils.py
+    by the i-th layer of each group. Source: vLLM v0.15 kv_cache_utils.py
     `get_kv_cache_config_from_groups`."""
     if not kv_cache_groups:  # attention-free model: one dummy block keeps the pool well formed
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
@@ -561,7 +561,7 @@ def get_kv_cache_configs(
 ) -> list[KVCacheConfig]:
     """One `KVCacheConfig` per worker from its `{layer: KVCacheSpec}` and available bytes; all share the
     smallest `num_blocks`. Raises `ValueError` if a request of `max_model_len` does not fit or a
-    layer's specs disagree between workers. Source: vLLM v0.11 kv_cache_utils.py
+    layer's specs disagree between workers. Source: vLLM v0.15 kv_cache_utils.py
     `get_kv_cache_configs`."""
     if len(kv_cache_specs) != len(available_memory):
         raise ValueError(f"{len(kv_cache_specs)} spec dicts but {len(available_memory)} memory figures")

@@ -39,7 +39,7 @@ __all__ = ['spec_manager_map', 'cdiv', 'SingleTypeKVCacheManager', 'FullAttentio
 class SingleTypeKVCacheManager(ABC):
     """Block bookkeeping of one KV cache group (`kv_cache_group_id`) whose layers share `kv_cache_spec`.
     With decode context parallelism each block holds `block_size * dcp_world_size` tokens.
-    Source: vLLM v0.11 v1/core/single_type_kv_cache_manager.py `SingleTypeKVCacheManager`."""
+    Source: vLLM v0.15 v1/core/single_type_kv_cache_manager.py `SingleTypeKVCacheManager`."""
 
     def __init__(
         self,
@@ -211,7 +211,7 @@ def _trim_to_alignment(
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
-    "Causal attention over the whole context: every block is kept. Source: vLLM v0.11 `FullAttentionManager`."
+    "Causal attention over the whole context: every block is kept. Source: vLLM v0.15 `FullAttentionManager`."
 
     @classmethod
     def find_longest_cache_hit(
@@ -249,7 +249,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #15e1aaf4
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    """Attention over the last `sliding_window` tokens; older blocks are freed. Source: vLLM v0.11
+    """Attention over the last `sliding_window` tokens; older blocks are freed. Source: vLLM v0.15
     `SlidingWindowManager`."""
 
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, **kwargs):
@@ -305,7 +305,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #92f337b6
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
-    """Attention within chunks of `attention_chunk_size` tokens. Source: vLLM v0.11
+    """Attention within chunks of `attention_chunk_size` tokens. Source: vLLM v0.15
     `ChunkedLocalAttentionManager`."""
 
     def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, **kwargs):
@@ -346,7 +346,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #46465743
 class MambaManager(SingleTypeKVCacheManager):
     """State of a state-space layer: only the latest state block is kept. `mamba_cache_mode` "none" (one
-    block, no caching) or "align" (a state per block boundary, cacheable). Source: vLLM v0.11
+    block, no caching) or "align" (a state per block boundary, cacheable). Source: vLLM v0.15
     `MambaManager`."""
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs):
@@ -450,7 +450,7 @@ def remove_skipped_blocks(self: MambaManager, request_id: str, total_computed_to
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #d79fe2d4
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Decoder cross-attention to the request's own encoder output: no caching, no skipping. Source: vLLM
-    v0.11 `CrossAttentionManager`."""
+    v0.15 `CrossAttentionManager`."""
 
     @classmethod
     def find_longest_cache_hit(
@@ -471,7 +471,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
 # %% ../../../nbs/13_single_type_kv_cache_manager.ipynb #de52a797
 class SinkFullAttentionManager(FullAttentionManager):
-    """Full attention plus `sink_len` sink tokens in blocks reserved at start-up. Source: vLLM v0.11
+    """Full attention plus `sink_len` sink tokens in blocks reserved at start-up. Source: vLLM v0.15
     `SinkFullAttentionManager`."""
 
     def __init__(self, kv_cache_spec: SinkFullAttentionSpec, block_pool: BlockPool, **kwargs):
@@ -497,7 +497,7 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, **kwargs) -> SingleTypeKVCacheManager:
     """Build the manager for `type(kv_cache_spec)` with `kwargs` (block_pool, enable_caching,
-    kv_cache_group_id, ...). Source: vLLM v0.11."""
+    kv_cache_group_id, ...). Source: vLLM v0.15."""
     try:
         manager_class = spec_manager_map[type(kv_cache_spec)]
     except KeyError:

@@ -20,7 +20,7 @@ __all__ = ['FinishReason', 'EngineCoreEventType', 'EngineCoreEvent', 'EngineCore
 # %% ../../../nbs/04_engine.ipynb #eea037e4
 class FinishReason(enum.IntEnum):
     """Why a request ended; an int on the wire, a string for the user ("stop", "length", "abort").
-    Source: vLLM v0.11 v1/engine/__init__.py `FinishReason`."""
+    Source: vLLM v0.15 v1/engine/__init__.py `FinishReason`."""
 
     STOP = 0
     LENGTH = 1
@@ -31,7 +31,7 @@ class FinishReason(enum.IntEnum):
 
 
 class EngineCoreEventType(enum.IntEnum):
-    """Request lifecycle events recorded in the engine core (for metrics). Source: vLLM v0.11
+    """Request lifecycle events recorded in the engine core (for metrics). Source: vLLM v0.15
     v1/engine/__init__.py."""
 
     QUEUED = 1
@@ -54,7 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """A tokenized, validated request on its way into the engine core.
 
     `prompt_token_ids`: list[int] of length >= 1. `arrival_time`: time.time() seconds. `request_id`
-    is the internal id (external id + 8 random characters). Source: vLLM v0.11 v1/engine/__init__.py:55."""
+    is the internal id (external id + 8 random characters). Source: vLLM v0.15 v1/engine/__init__.py:55."""
 
     request_id: str
     prompt_token_ids: list[int] | None
@@ -78,7 +78,7 @@ class LogprobsLists(NamedTuple):
     """Per generated token: ids and logprobs of [sampled, top-1..top-k], and the sampled token's rank.
 
     Shapes: logprob_token_ids, logprobs: (num_tokens, num_logprobs + 1); sampled_token_ranks: (num_tokens,).
-    Source: vLLM v0.11 v1/outputs.py `LogprobsLists`."""
+    Source: vLLM v0.15 v1/outputs.py `LogprobsLists`."""
 
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -95,7 +95,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
     `finish_reason` None while running. `stop_reason`: the stop token id or stop string that ended it.
     `new_prompt_logprobs`: LogprobsLists over prompt positions (first step only).
-    Source: vLLM v0.11 v1/engine/__init__.py:130 `EngineCoreOutput`."""
+    Source: vLLM v0.15 v1/engine/__init__.py:130 `EngineCoreOutput`."""
 
     request_id: str
     new_token_ids: list[int]
@@ -116,7 +116,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """All outputs of one engine step for one client, plus scheduler stats and a timestamp (time.monotonic).
-    Source: vLLM v0.11 v1/engine/__init__.py:176 `EngineCoreOutputs`."""
+    Source: vLLM v0.15 v1/engine/__init__.py:176 `EngineCoreOutputs`."""
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
@@ -133,7 +133,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineCoreRequestType(enum.Enum):
-    """First frame of a message to the engine core process: what the payload is. Source: vLLM v0.11
+    """First frame of a message to the engine core process: what the payload is. Source: vLLM v0.15
     v1/engine/__init__.py."""
 
     ADD = b"\x00"

@@ -9,10 +9,10 @@ __all__ = ['EngineGenerateError', 'EngineDeadError']
 class EngineGenerateError(RuntimeError):
     """A request failed inside the engine; the engine itself is fine and other requests go on.
 
-    Source: vLLM v0.11 `vllm/v1/engine/exceptions.py` `EngineGenerateError`."""
+    Source: vLLM v0.15 `vllm/v1/engine/exceptions.py` `EngineGenerateError`."""
 
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone (its process died or the engine loop raised): no request can make progress.
 
-    Source: vLLM v0.11 `vllm/v1/engine/exceptions.py` `EngineDeadError`."""
+    Source: vLLM v0.15 `vllm/v1/engine/exceptions.py` `EngineDeadError`."""

@@ -24,7 +24,7 @@ def _make_logprob_dict(
     logprobs: list[float], token_ids: list[int], decoded: list[str | None], rank: int, num_logprobs: int
 ) -> dict[int, Logprob]:
     """{token_id: Logprob} for one position: the sampled token (its own `rank`) then the top-`num_logprobs`
-    (ranks 1..k). Source: vLLM v0.11 v1/engine/logprobs.py `_make_logprob_dict`."""
+    (ranks 1..k). Source: vLLM v0.15 v1/engine/logprobs.py `_make_logprob_dict`."""
     ranks = itertools.chain((rank,), range(1, num_logprobs + 1))
     return {tid: Logprob(lp, r, tok) for tid, lp, r, tok in zip(token_ids, logprobs, ranks, decoded)}
 
@@ -32,7 +32,7 @@ def _make_logprob_dict(
 @dataclass
 class LogprobsProcessor:
     """Per-request logprobs state. `num_logprobs` / `num_prompt_logprobs`: the request's k (None = not asked).
-    Source: vLLM v0.11 v1/engine/logprobs.py `LogprobsProcessor`."""
+    Source: vLLM v0.15 v1/engine/logprobs.py `LogprobsProcessor`."""
 
     tokenizer: Any
     logprobs: SampleLogprobs | None

@@ -23,7 +23,7 @@ __all__ = ['run_method', 'Executor']
 
 # %% ../../../nbs/45_executor.ipynb #cfc54ba9
 def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict) -> Any:
-    """Call `obj.<method>(*args, **kwargs)` or `method(obj, *args, **kwargs)`. Source: vLLM v0.11 utils
+    """Call `obj.<method>(*args, **kwargs)` or `method(obj, *args, **kwargs)`. Source: vLLM v0.15 utils
     `run_method`."""
     if isinstance(method, str):
         try:
@@ -51,7 +51,7 @@ def _first(output: list | Future, non_block: bool) -> Any:
 # %% ../../../nbs/45_executor.ipynb #357c5c2e
 class Executor(ABC):
     """Runs the workers of one engine. Subclasses implement `_init_executor`, `collective_rpc`,
-    `check_health`. Source: vLLM v0.11 v1/executor/abstract.py `Executor`."""
+    `check_health`. Source: vLLM v0.15 v1/executor/abstract.py `Executor`."""
 
     uses_ray: bool = False
     supports_pp: bool = False

@@ -90,7 +90,7 @@ READY_STR = "READY"
 
 class WorkerProc:
     """A `Worker` in its own process, serving RPCs from `rpc_broadcast_mq` and answering on
-    `worker_response_mq`. Source: vLLM v0.11 v1/executor/multiproc_executor.py `WorkerProc`."""
+    `worker_response_mq`. Source: vLLM v0.15 v1/executor/multiproc_executor.py `WorkerProc`."""
 
     def __init__(
         self,
@@ -132,7 +132,7 @@ class WorkerProc:
 # %% ../../../nbs/45c_multiproc_executor.ipynb #c6904190
 @patch
 def worker_busy_loop(self: WorkerProc, cancel: threading.Event | None = None) -> None:
-    "Serve RPCs until `cancel` is set. Source: vLLM v0.11 `WorkerProc.worker_busy_loop`."
+    "Serve RPCs until `cancel` is set. Source: vLLM v0.15 `WorkerProc.worker_busy_loop`."
     while True:
         try:
             method, args, kwargs, output_rank = self.rpc_broadcast_mq.dequeue(cancel=cancel)
@@ -167,7 +167,7 @@ def worker_main(
     ready_pipe: Connection,
     death_pipe: Connection,
 ) -> None:
-    "Entry point of a worker process. Source: vLLM v0.11 `WorkerProc.worker_main`."
+    "Entry point of a worker process. Source: vLLM v0.15 `WorkerProc.worker_main`."
 
     def _term(signum, frame):
         raise SystemExit(0)
@@ -362,7 +362,7 @@ class _ExecutorResources:
 class MultiprocExecutor(Executor):
     """Executor with `world_size` worker processes, RPCs over shared-memory `MessageQueue`s. Raises
     NotImplementedError for tensor_parallel_size × pipeline_parallel_size > 1, RuntimeError (naming the
-    worker) if a worker fails to start. Source: vLLM v0.11 v1/executor/multiproc_executor.py
+    worker) if a worker fails to start. Source: vLLM v0.15 v1/executor/multiproc_executor.py
     `MultiprocExecutor`."""
 
     supports_pp: bool = True
@@ -478,7 +478,7 @@ def collective_rpc(
 ) -> Any:
     """Run `method` on every worker. Returns the list of results (or only `unique_reply_rank`'s result), or a
     Future of it when `non_block`. Re-raises a worker's exception; RuntimeError if a worker died or the
-    executor was shut down, TimeoutError after `timeout` s. Source: vLLM v0.11
+    executor was shut down, TimeoutError after `timeout` s. Source: vLLM v0.15
     `MultiprocExecutor.collective_rpc`."""
     if self.is_failed:
         raise RuntimeError(self.failure_message)

@@ -17,7 +17,7 @@ __all__ = ['UniProcExecutor']
 # %% ../../../nbs/45a_uniproc_executor.ipynb #a99295f4
 class UniProcExecutor(Executor):
     """Executor with a single in-process `Worker` (rank 0). `collective_rpc` returns `[result]`, or a resolved
-    Future of it when non_block. Source: vLLM v0.11 v1/executor/uniproc_executor.py `UniProcExecutor`."""
+    Future of it when non_block. Source: vLLM v0.15 v1/executor/uniproc_executor.py `UniProcExecutor`."""
 
     def _init_executor(self) -> None:
         self.driver_worker: Worker | None = Worker(

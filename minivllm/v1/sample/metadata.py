@@ -28,7 +28,7 @@ class SamplingMetadata:
     vocab_size, output_token_ids (live lists of generated ids), presence/frequency/repetition (num_reqs,)
     float32; skipped when no_penalties. min_tokens: row -> (min_tokens, stop ids) masked until reached.
     logit_bias: row -> {token id: bias} added to the logits (only rows whose request set `logit_bias`).
-    Source: vLLM v0.11 v1/sample/metadata.py `SamplingMetadata`."""
+    Source: vLLM v0.15 v1/sample/metadata.py `SamplingMetadata`."""
 
     temperature: torch.Tensor | None
     all_greedy: bool

@@ -43,7 +43,7 @@ def apply_penalties(
     """Apply repetition (prompt and output tokens), frequency and presence (output tokens) penalties.
 
     logits: (num_reqs, vocab) float32; prompt_token_ids (num_reqs, L) int64 padded with vocab; penalties
-    (num_reqs,) float32. Returns the penalised logits. Source: vLLM v0.11 v1/sample/ops/penalties.py
+    (num_reqs,) float32. Returns the penalised logits. Source: vLLM v0.15 v1/sample/ops/penalties.py
     `apply_all_penalties`."""
     num_reqs, vocab = logits.shape
     out_counts = _bin_counts(_pad_lists(output_token_ids[:num_reqs], vocab, logits.device), vocab)
@@ -58,7 +58,7 @@ def apply_penalties(
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
     """Add each row's `{token id: bias}` to its logits (in place). logits (num_reqs, vocab) float32; ids were
-    checked to be in the vocabulary by the InputProcessor. Source: vLLM v0.11 v1/sample/logits_processor
+    checked to be in the vocabulary by the InputProcessor. Source: vLLM v0.15 v1/sample/logits_processor
     `LogitBiasLogitsProcessor`."""
     rows, cols, vals = [], [], []
     for i, bias in logit_bias.items():
@@ -95,7 +95,7 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     """Keep each row's k largest logits and its smallest nucleus of mass >= p; the rest become -inf.
 
     k: (n,) int64 with vocab_size meaning off; p: (n,) float32 with 1.0 meaning off.
-    Source: vLLM v0.11 v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p`."""
+    Source: vLLM v0.15 v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p`."""
     vocab = logits.shape[1]
     if p is None:
         if k is None:
@@ -117,7 +117,7 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 # %% ../../../nbs/40_sampler.ipynb #dcb4572c
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Draw one token per row of `probs` (n, vocab) via argmax(probs / Exp(1)); rows in `generators` use
-    their own generator. Returns (n,) int64. Source: vLLM v0.11 v1/sample/ops/topk_topp_sampler.py
+    their own generator. Returns (n,) int64. Source: vLLM v0.15 v1/sample/ops/topk_topp_sampler.py
     `random_sample`."""
     q = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
@@ -131,7 +131,7 @@ class Sampler(nn.Module):
     """Sample one token per row: min_tokens/logit_bias/penalties → greedy argmax | temperature → min_p →
     top-k/top-p → exponential race; plus raw logprobs. `forward(logits (num_reqs, vocab), metadata) ->
     SamplerOutput` with sampled_token_ids (num_reqs, 1) int64; `logits` may be modified in place. Source: vLLM
-    v0.11 v1/sample/sampler.py."""
+    v0.15 v1/sample/sampler.py."""
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         md = sampling_metadata
@@ -185,7 +185,7 @@ class Sampler(nn.Module):
         logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
     ) -> LogprobsTensors:
         """[sampled, top-1..top-num_logprobs] ids and logprobs, and the sampled token's rank (1 = best).
-        Source: vLLM v0.11 v1/sample/sampler.py `gather_logprobs`."""
+        Source: vLLM v0.15 v1/sample/sampler.py `gather_logprobs`."""
         top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
         tok = token_ids.unsqueeze(-1)
         tok_lp = logprobs.gather(-1, tok)

@@ -23,7 +23,7 @@ def map_to_kernel_blocks(
     block_ids: np.ndarray, blocks_per_kv_block: int, kernel_block_arange: np.ndarray
 ) -> np.ndarray:
     """Split allocation blocks into kernel blocks: id b -> b*k + [0..k). (n,) -> (n*k,).
-    Source: vLLM v0.11 v1/worker/block_table.py `map_to_kernel_blocks`."""
+    Source: vLLM v0.15 v1/worker/block_table.py `map_to_kernel_blocks`."""
     return (block_ids.reshape(-1, 1) * blocks_per_kv_block + kernel_block_arange).reshape(-1)
 
 # %% ../../../nbs/41_block_table.ipynb #01697858
@@ -34,7 +34,7 @@ class BlockTable:
     num_blocks_per_row: (max_num_reqs,) int32; slot_mapping: CpuGpuBuffer (max_num_batched_tokens,) int64.
     `block_size` is the kernel block size (= allocation block size unless `kernel_block_size` divides it).
     Raises ValueError if kernel_block_size does not divide block_size or a row overflows.
-    Source: vLLM v0.11 v1/worker/block_table.py `BlockTable`."""
+    Source: vLLM v0.15 v1/worker/block_table.py `BlockTable`."""
 
     def __init__(
         self,
@@ -114,7 +114,7 @@ def swap_row(self: BlockTable, src: int, tgt: int) -> None:
 @patch
 def compute_slot_mapping(self: BlockTable, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Fill `slot_mapping.np[:n]` for n tokens: req_indices (n,) batch rows, positions (n,) token
-    positions. Returns that (n,) int64 view. Source: vLLM v0.11 v1/worker/block_table.py
+    positions. Returns that (n,) int64 view. Source: vLLM v0.15 v1/worker/block_table.py
     `compute_slot_mapping`."""
     n = len(positions)
     flat_idx = req_indices * self.max_num_blocks_per_req + positions // self.block_size
@@ -162,7 +162,7 @@ class MultiGroupBlockTable:
 
     block_sizes[g]: allocation block size of group g; kernel_block_sizes[g]: the attention kernel's (defaults
     to the same). Each table holds cdiv(max_model_len, block_size) blocks per request.
-    Source: vLLM v0.11 v1/worker/block_table.py `MultiGroupBlockTable`."""
+    Source: vLLM v0.15 v1/worker/block_table.py `MultiGroupBlockTable`."""
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ class CachedRequestState:
 
     block_ids: one list per KV cache group; num_computed_tokens: tokens whose KV is in the cache;
     generator: the request's own torch.Generator when it has a seed (random sampling).
-    Source: vLLM v0.11 v1/worker/gpu_input_batch.py `CachedRequestState`."""
+    Source: vLLM v0.15 v1/worker/gpu_input_batch.py `CachedRequestState`."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -61,7 +61,7 @@ class InputBatch:
     num_prompt_tokens, num_computed_tokens_cpu: (max_num_reqs,) int32; block_table: MultiGroupBlockTable;
     temperature/top_p/min_p/penalties: (max_num_reqs,) float32 CpuGpuBuffers, top_k int64 (vocab = off).
     add_request raises ValueError when the batch is full or a request exceeds max_model_len.
-    Source: vLLM v0.11 v1/worker/gpu_input_batch.py `InputBatch`."""
+    Source: vLLM v0.15 v1/worker/gpu_input_batch.py `InputBatch`."""
 
     def __init__(
         self,
@@ -265,7 +265,7 @@ def _move_row(self: InputBatch, src: int, tgt: int) -> None:
 
 @patch
 def condense(self: InputBatch) -> None:
-    """Move tail rows into holes so rows [0, num_reqs) are the live requests. Source: vLLM v0.11
+    """Move tail rows into holes so rows [0, num_reqs) are the live requests. Source: vLLM v0.15
     `InputBatch.condense`."""
     holes = sorted(self._empty_indices)
     self._empty_indices = []
@@ -283,7 +283,7 @@ def condense(self: InputBatch) -> None:
 # %% ../../../nbs/42_input_batch.ipynb #b489b288
 @patch
 def swap_states(self: InputBatch, i1: int, i2: int) -> None:
-    """Exchange rows i1 and i2 entirely (used to reorder the batch). Source: vLLM v0.11
+    """Exchange rows i1 and i2 entirely (used to reorder the batch). Source: vLLM v0.15
     `InputBatch.swap_states`."""
     a, b = self._req_ids[i1], self._req_ids[i2]
     self._req_ids[i1], self._req_ids[i2] = b, a

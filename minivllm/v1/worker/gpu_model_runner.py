@@ -46,7 +46,7 @@ __all__ = ['logger', 'ExecuteModelState', 'AttentionGroup', 'get_attn_backend_of
 class ExecuteModelState(NamedTuple):
     """What execute_model leaves for sample_tokens. logits: (num_reqs, vocab) float32; hidden_states:
     (num_tokens, hidden); discard_req_indices: (k,) rows whose prefill is unfinished (their sample is
-    dropped). Source: vLLM v0.11 v1/worker/gpu_model_runner.py `ExecuteModelState`."""
+    dropped). Source: vLLM v0.15 v1/worker/gpu_model_runner.py `ExecuteModelState`."""
 
     scheduler_output: SchedulerOutput
     logits: torch.Tensor
@@ -60,7 +60,7 @@ class ExecuteModelState(NamedTuple):
 @dataclass
 class AttentionGroup:
     """Layers of KV cache group `kv_cache_group_id` served by one attention `backend` and one metadata
-    builder. Source: vLLM v0.11 v1/worker/utils.py `AttentionGroup`."""
+    builder. Source: vLLM v0.15 v1/worker/utils.py `AttentionGroup`."""
 
     backend: Any
     layer_names: list[str]
@@ -91,7 +91,7 @@ class GPUModelRunner(KVConnectorModelRunnerMixin):
     Holds `requests` (req_id -> CachedRequestState), the persistent `input_batch`, per-token buffers
     (input_ids, positions: (max_num_batched_tokens,) int64; query_start_loc (max_num_reqs+1,) int32,
     seq_lens (max_num_reqs,) int32) and, after `initialize_kv_cache`, `kv_caches` and `attn_groups`.
-    Source: vLLM v0.11 v1/worker/gpu_model_runner.py `GPUModelRunner`."""
+    Source: vLLM v0.15 v1/worker/gpu_model_runner.py `GPUModelRunner`."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str):
         self.vllm_config = vllm_config
@@ -264,7 +264,7 @@ def initialize_kv_cache_tensors(
 @patch
 def initialize_kv_cache(self: GPUModelRunner, kv_cache_config: KVCacheConfig) -> None:
     """Allocate the KV cache of `kv_cache_config`, build the attention groups and bind `layer.kv_cache`.
-    Source: vLLM v0.11 v1/worker/gpu_model_runner.py `initialize_kv_cache`."""
+    Source: vLLM v0.15 v1/worker/gpu_model_runner.py `initialize_kv_cache`."""
     self.kv_cache_config = kv_cache_config
     self._initialize_attn_backend(kv_cache_config)
     self.may_reinitialize_input_batch(kv_cache_config)
@@ -279,7 +279,7 @@ def initialize_kv_cache(self: GPUModelRunner, kv_cache_config: KVCacheConfig) ->
 # %% ../../../nbs/43_gpu_model_runner.ipynb #6cc3f9a1
 @patch
 def _update_states(self: GPUModelRunner, scheduler_output: SchedulerOutput) -> None:
-    """Apply the scheduler's diff to `requests` and `input_batch`. Source: vLLM v0.11 gpu_model_runner.py
+    """Apply the scheduler's diff to `requests` and `input_batch`. Source: vLLM v0.15 gpu_model_runner.py
     `_update_states`."""
     ib = self.input_batch
     changed = False
@@ -365,7 +365,7 @@ def _prepare_inputs(
 
     Returns logits_indices (num_reqs,) int64 on device (each request's last scheduled token),
     num_scheduled_tokens (num_reqs,) int32 and discard_req_indices (rows whose prefill stays unfinished).
-    Source: vLLM v0.11 gpu_model_runner.py `_prepare_inputs`."""
+    Source: vLLM v0.15 gpu_model_runner.py `_prepare_inputs`."""
     ib = self.input_batch
     total, num_reqs = scheduler_output.total_num_scheduled_tokens, ib.num_reqs
     ib.block_table.commit_block_table(num_reqs)  # first, so the copy overlaps with the CPU work below
@@ -397,7 +397,7 @@ def _build_attention_metadata(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """One CommonAttentionMetadata per KV cache group -> builder.build() per attention group.
     Returns (layer_name -> metadata, layer_name -> slot mapping (num_tokens,) int64).
-    Source: vLLM v0.11 gpu_model_runner.py `_build_attention_metadata`, `_get_slot_mappings`."""
+    Source: vLLM v0.15 gpu_model_runner.py `_build_attention_metadata`, `_get_slot_mappings`."""
     base = CommonAttentionMetadata(
         query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
         query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
@@ -531,7 +531,7 @@ def capture_model(self: GPUModelRunner) -> int:
     """Capture every dispatcher key, largest first, after the KV cache exists: per key a dummy step that
     writes nothing to the cache (all slots -1; uniform keys R one-token requests, mixed keys requests of up to
     max_model_len tokens plus empty ones), run eagerly once, then through the wrappers in the key's runtime
-    mode. Returns the number of entries (0 on the CPU or with mode NONE). Source: vLLM v0.11
+    mode. Returns the number of entries (0 on the CPU or with mode NONE). Source: vLLM v0.15
     gpu_model_runner.py `capture_model`."""
     self._init_cudagraphs()
     keys = [
@@ -591,7 +591,7 @@ def execute_model(
 ) -> ModelRunnerOutput | None:
     """Phase 1: update state, prepare inputs, run the model and compute the logits of each request's last
     token. Returns None (call sample_tokens next) or EMPTY_MODEL_RUNNER_OUTPUT when no token is scheduled.
-    Source: vLLM v0.11 gpu_model_runner.py `execute_model`."""
+    Source: vLLM v0.15 gpu_model_runner.py `execute_model`."""
     if self.execute_model_state is not None:
         raise RuntimeError("execute_model called twice without sample_tokens in between")
     set_kv_transfer_group(self.kv_connector)  # this engine's connector (or none) for the layers
@@ -659,7 +659,7 @@ def apply_grammar_bitmask(self: GPUModelRunner, grammar_output: Any, logits: tor
 @torch.inference_mode()
 def sample_tokens(self: GPUModelRunner, grammar_output: Any = None) -> ModelRunnerOutput:
     """Phase 2: mask the stored logits with the step's grammar (if any), sample, record the tokens, build
-    the ModelRunnerOutput. Source: vLLM v0.11 gpu_model_runner.py `sample_tokens`, `_bookkeeping_sync`."""
+    the ModelRunnerOutput. Source: vLLM v0.15 gpu_model_runner.py `sample_tokens`, `_bookkeeping_sync`."""
     state, self.execute_model_state = self.execute_model_state, None
     if state is None:
         return EMPTY_MODEL_RUNNER_OUTPUT
@@ -706,7 +706,7 @@ def _get_prompt_logprobs_dict(
     self: GPUModelRunner, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]
 ) -> dict[str, LogprobsTensors]:
     """Prompt logprobs of the requests whose prefill completes this step: req_id -> LogprobsTensors with
-    (num_prompt_tokens - 1) rows of [actual token, top-k] (CPU). Source: vLLM v0.11 gpu_model_runner.py
+    (num_prompt_tokens - 1) rows of [actual token, top-k] (CPU). Source: vLLM v0.15 gpu_model_runner.py
     `_get_prompt_logprobs_dict`."""
     completed: dict[str, LogprobsTensors] = {}
     for req_id, k in self.num_prompt_logprobs.items():
@@ -781,7 +781,7 @@ def _dummy_sampler_run(self: GPUModelRunner, hidden_states: torch.Tensor) -> Non
 @patch
 def profile_run(self: GPUModelRunner) -> None:
     """The largest step the scheduler can send: max_num_batched_tokens tokens, then logits and sampling for
-    min(max_num_seqs, tokens) rows. Source: vLLM v0.11 gpu_model_runner.py `profile_run`."""
+    min(max_num_seqs, tokens) rows. Source: vLLM v0.15 gpu_model_runner.py `profile_run`."""
     hidden = self._dummy_run(self.max_num_tokens)
     num_reqs = min(self.max_num_reqs, hidden.shape[0])
     idx = torch.linspace(0, hidden.shape[0] - 1, num_reqs, device=self.device).long()

@@ -32,7 +32,7 @@ __all__ = ['logger', 'set_random_seed', 'cpu_num_threads', 'Worker']
 
 # %% ../../../nbs/44_worker.ipynb #474d2d62
 def set_random_seed(seed: int) -> None:
-    "Seed `random`, numpy and torch (CPU and every CUDA device). Source: vLLM v0.11 utils `set_random_seed`."
+    "Seed `random`, numpy and torch (CPU and every CUDA device). Source: vLLM v0.15 utils `set_random_seed`."
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -54,7 +54,7 @@ class Worker:
 
     `rank` is the global rank (picks this worker's `KVCacheConfig` from a list), `local_rank` the device index
     on this node. Raises NotImplementedError for tensor/pipeline parallelism (world_size > 1).
-    Source: vLLM v0.11 v1/worker/gpu_worker.py `Worker`."""
+    Source: vLLM v0.15 v1/worker/gpu_worker.py `Worker`."""
 
     def __init__(
         self,
@@ -109,7 +109,7 @@ class Worker:
 @torch.inference_mode()
 def determine_available_memory(self: Worker) -> int:
     """Bytes the KV cache may use on this worker's device. Raises ValueError if nothing is left on CUDA.
-    Source: vLLM v0.11 v1/worker/gpu_worker.py `determine_available_memory`."""
+    Source: vLLM v0.15 v1/worker/gpu_worker.py `determine_available_memory`."""
     cc = self.cache_config
     if self.device.type == "cpu":
         return cc.cpu_kv_cache_bytes()

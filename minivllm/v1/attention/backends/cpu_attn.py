@@ -32,7 +32,7 @@ class CPUAttentionMetadata:
     int32; slot_mapping: (num_tokens,) int64, -1 = padding; max_query_len / max_seq_len: host ints;
     fresh_prefills: [(query_start, query_end)] of prompts with no cached context that no sliding window cuts
     into; skip_reqs: (num_reqs,) uint8 marking those requests for the kernel (None when there are none).
-    Source: vLLM v0.11 v1/attention/backends/cpu_attn.py `CPUAttentionMetadata` (role)."""
+    Source: vLLM v0.15 v1/attention/backends/cpu_attn.py `CPUAttentionMetadata` (role)."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -50,7 +50,7 @@ class CPUAttentionMetadata:
 class CPUAttentionMetadataBuilder:
     """Repackages `CommonAttentionMetadata` as `CPUAttentionMetadata` for `layer_names` (any request order:
     `reorder_batch_threshold = None`). Raises `NotImplementedError` for non-causal attention.
-    Source: vLLM v0.11 v1/attention/backends/cpu_attn.py `CPUAttentionMetadataBuilder` (role)."""
+    Source: vLLM v0.15 v1/attention/backends/cpu_attn.py `CPUAttentionMetadataBuilder` (role)."""
 
     reorder_batch_threshold: int | None = None
 
@@ -96,7 +96,7 @@ class CPUAttentionImpl(KernelAttentionImpl):
     key, value: (T, Hkv*D), kv_cache: (2, num_blocks, block_size, Hkv, D), attn_metadata, output)` contract as
     `TorchRefAttentionImpl`; checks and the profiling run come from `KernelAttentionImpl`. Raises `ValueError`
     for ALiBi, non-decoder attention, or a sliding window that differs from the metadata's; `RuntimeError` if
-    no KV cache is bound. Source: vLLM v0.11 v1/attention/backends/cpu_attn.py `CPUAttentionBackendImpl`
+    no KV cache is bound. Source: vLLM v0.15 v1/attention/backends/cpu_attn.py `CPUAttentionBackendImpl`
     (role)."""
 
     def attend(
@@ -145,7 +145,7 @@ class CPUAttentionImpl(KernelAttentionImpl):
 # %% ../../../../nbs/33b_cpu_attention_backend.ipynb #5e05031d
 class CPUAttentionBackend:
     """Paged attention on the CPU with the C kernel of `kernels/cpu_attention` (minivllm's default CPU backend
-    where a C compiler exists). Source: vLLM v0.11 v1/attention/backends/cpu_attn.py `CPUAttentionBackend`."""
+    where a C compiler exists). Source: vLLM v0.15 v1/attention/backends/cpu_attn.py `CPUAttentionBackend`."""
 
     accept_output_buffer: bool = True
 

@@ -31,7 +31,7 @@ def reshape_and_cache(
 
     key, value: (num_tokens, num_kv_heads, head_size); key_cache, value_cache: (num_blocks, block_size,
     num_kv_heads, head_size), contiguous; slot_mapping: (n,) int64 with n <= num_tokens (extra tokens are
-    ignored), slot -1 = skip. Values are cast to the cache dtype. Source: vLLM v0.11 _custom_ops.py
+    ignored), slot -1 = skip. Values are cast to the cache dtype. Source: vLLM v0.15 _custom_ops.py
     `reshape_and_cache_flash`."""
     n = slot_mapping.shape[0]
     valid = slot_mapping >= 0
@@ -61,7 +61,7 @@ class TorchRefAttentionMetadata:
     plus the decode part — decode_token_indices: (num_decodes,) int64 rows of the batch; decode_kv_slots:
     (num_decodes, max_decode_kv_len) int64; decode_mask: (num_decodes, 1, 1, max_decode_kv_len) bool — and the
     prefill part, one `TorchRefPrefill` per request with more than one query token.
-    Source: vLLM v0.11 v1/attention/backends/flash_attn.py `FlashAttentionMetadata` (role)."""
+    Source: vLLM v0.15 v1/attention/backends/flash_attn.py `FlashAttentionMetadata` (role)."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -87,7 +87,7 @@ class TorchRefAttentionMetadataBuilder:
 
     kv_cache_spec: the group's `AttentionSpec` (block_size, sliding_window). Handles requests in any order
     (`reorder_batch_threshold = None`: no decode-first reordering needed); `common_prefix_len` is ignored (no
-    cascade attention). Source: vLLM v0.11
+    cascade attention). Source: vLLM v0.15
     v1/attention/backends/flash_attn.py `FlashAttentionMetadataBuilder` (role)."""
 
     reorder_batch_threshold: int | None = None
@@ -199,7 +199,7 @@ class TorchRefAttentionImpl:
     output. Only the first `num_actual_tokens` rows are computed (the rest are padding). attn_metadata None =
     profiling/dummy run: plain causal attention over the T tokens as one sequence, cache untouched. Raises
     `ValueError` for ALiBi, non-decoder attention, or a sliding window that differs from the metadata's.
-    Source: vLLM v0.11 flash_attn.py `FlashAttentionImpl` (role)."""
+    Source: vLLM v0.15 flash_attn.py `FlashAttentionImpl` (role)."""
 
     def __init__(
         self,
@@ -313,7 +313,7 @@ class KernelAttentionImpl:
     block_size, Hkv, D), attn_metadata, output)` checks the metadata against the layer, allocates `output` if
     needed and calls `attend`, which subclasses implement. Raises `ValueError` for ALiBi, non-decoder
     attention, or a sliding window that differs from the metadata's; `RuntimeError` if no KV cache is bound.
-    Source: vLLM v0.11 v1/attention/backends/*.py `AttentionImpl` (interface)."""
+    Source: vLLM v0.15 v1/attention/backends/*.py `AttentionImpl` (interface)."""
 
     def __init__(
         self,
@@ -391,7 +391,7 @@ def attend(
 
 # %% ../../../../nbs/33_torch_attention_backend.ipynb #a33dd131
 class TorchRefAttentionBackend:
-    """Plain-PyTorch paged attention (CPU backend and kernel reference). Source: vLLM v0.11
+    """Plain-PyTorch paged attention (CPU backend and kernel reference). Source: vLLM v0.15
     attention/backends/abstract.py `AttentionBackend` (interface)."""
 
     accept_output_buffer: bool = True

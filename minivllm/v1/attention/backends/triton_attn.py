@@ -30,7 +30,7 @@ class TritonAttentionMetadata:
 
     query_start_loc: (num_reqs + 1,) int32; seq_lens: (num_reqs,) int32; block_table: (num_reqs, max_blocks)
     int32; slot_mapping: (num_tokens,) int64, -1 = padding; max_query_len / max_seq_len: host ints.
-    Source: vLLM v0.11 v1/attention/backends/triton_attn.py `TritonAttentionMetadata`."""
+    Source: vLLM v0.15 v1/attention/backends/triton_attn.py `TritonAttentionMetadata`."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -47,7 +47,7 @@ class TritonAttentionMetadataBuilder:
     """Repackages `CommonAttentionMetadata` as `TritonAttentionMetadata` for `layer_names` (any request order:
     `reorder_batch_threshold = None`). `cudagraph_support`: the metadata is views of the runner's buffers and
     the kernels' grids depend only on shapes, so a full CUDA graph can capture the step (vLLM: an
-    `AttentionCGSupport` level). Source: vLLM v0.11 triton_attn.py `TritonAttentionMetadataBuilder`."""
+    `AttentionCGSupport` level). Source: vLLM v0.15 triton_attn.py `TritonAttentionMetadataBuilder`."""
 
     reorder_batch_threshold: int | None = None
     cudagraph_support: bool = True
@@ -83,7 +83,7 @@ class TritonAttentionImpl(KernelAttentionImpl):
     Hq*D), key, value: (T, Hkv*D), kv_cache: (2, num_blocks, block_size, Hkv, D), attn_metadata, output)`
     contract as `TorchRefAttentionImpl`; checks and the profiling run come from `KernelAttentionImpl`. Raises
     `ValueError` for ALiBi, non-decoder attention, or a sliding window that differs from the metadata's.
-    Source: vLLM v0.11 v1/attention/backends/triton_attn.py `TritonAttentionImpl`."""
+    Source: vLLM v0.15 v1/attention/backends/triton_attn.py `TritonAttentionImpl`."""
 
     def attend(
         self,
@@ -115,7 +115,7 @@ class TritonAttentionImpl(KernelAttentionImpl):
 # %% ../../../../nbs/33a_triton_attention_backend.ipynb #9103a3d1
 class TritonAttentionBackend:
     """Paged attention with the Triton kernels of `kernels/` (minivllm's CUDA backend).
-    Source: vLLM v0.11 v1/attention/backends/triton_attn.py `TritonAttentionBackend`."""
+    Source: vLLM v0.15 v1/attention/backends/triton_attn.py `TritonAttentionBackend`."""
 
     accept_output_buffer: bool = True
 

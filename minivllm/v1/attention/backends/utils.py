@@ -23,7 +23,7 @@ class CommonAttentionMetadata:
     seq_lens_cpu: same on CPU; num_computed_tokens_cpu: (num_reqs,) int32, tokens already in the cache;
     block_table_tensor: (num_reqs, max_num_blocks_per_req) int32 device, kernel block ids;
     slot_mapping: (num_actual_tokens,) int64 device, slot = block * block_size + offset, -1 = padding.
-    Source: vLLM v0.11 v1/attention/backends/utils.py `CommonAttentionMetadata`."""
+    Source: vLLM v0.15 v1/attention/backends/utils.py `CommonAttentionMetadata`."""
 
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor

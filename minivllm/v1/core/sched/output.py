@@ -19,7 +19,7 @@ class NewRequestData:
     """Full data of a request scheduled for the first time (or re-sent whole).
 
     `block_ids`: one list of block ids per KV cache group. `num_computed_tokens` includes the
-    prefix-cache hit. Source: vLLM v0.11 v1/core/sched/output.py `NewRequestData`."""
+    prefix-cache hit. Source: vLLM v0.15 v1/core/sched/output.py `NewRequestData`."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -51,7 +51,7 @@ class CachedRequestData:
     `new_block_ids[i]`: blocks appended this step per group (None if none); for a request in
     `resumed_req_ids` they *replace* its block table. `new_token_ids[i]`: tokens the runner has not seen
     (only needed with pipeline parallelism / resumed requests). `all_token_ids`: full token list of resumed
-    requests. Source: vLLM v0.11 v1/core/sched/output.py `CachedRequestData`."""
+    requests. Source: vLLM v0.15 v1/core/sched/output.py `CachedRequestData`."""
 
     req_ids: list[str] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
@@ -74,7 +74,7 @@ class CachedRequestData:
 class SchedulerOutput:
     """What to compute in one step. `num_scheduled_tokens[req_id]`: tokens to run for that request;
     `total_num_scheduled_tokens` is their sum. `num_common_prefix_blocks[g]`: blocks shared by all
-    running requests in group g (for cascade attention). Source: vLLM v0.11 v1/core/sched/output.py:184
+    running requests in group g (for cascade attention). Source: vLLM v0.15 v1/core/sched/output.py:184
     `SchedulerOutput`."""
 
     scheduled_new_reqs: list[NewRequestData]

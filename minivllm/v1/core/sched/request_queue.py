@@ -18,14 +18,14 @@ __all__ = ['SchedulingPolicy', 'RequestQueue', 'FCFSRequestQueue', 'PriorityRequ
 
 # %% ../../../../nbs/20_request_queue.ipynb #b3931a6f
 class SchedulingPolicy(Enum):
-    "Order of the waiting queue. Source: vLLM v0.11 v1/core/sched/request_queue.py `SchedulingPolicy`."
+    "Order of the waiting queue. Source: vLLM v0.15 v1/core/sched/request_queue.py `SchedulingPolicy`."
 
     FCFS = "fcfs"
     PRIORITY = "priority"
 
 
 class RequestQueue(ABC):
-    """What the scheduler needs from its waiting queue. Source: vLLM v0.11 v1/core/sched/request_queue.py
+    """What the scheduler needs from its waiting queue. Source: vLLM v0.15 v1/core/sched/request_queue.py
     `RequestQueue`."""
 
     @abstractmethod
@@ -52,7 +52,7 @@ class RequestQueue(ABC):
 # %% ../../../../nbs/20_request_queue.ipynb #4e8195d0
 class FCFSRequestQueue(deque, RequestQueue):
     """Arrival order. `pop_request`/`peek_request` raise IndexError when empty.
-    Source: vLLM v0.11 v1/core/sched/request_queue.py `FCFSRequestQueue`."""
+    Source: vLLM v0.15 v1/core/sched/request_queue.py `FCFSRequestQueue`."""
 
     def add_request(self, request: Request) -> None:
         self.append(request)
@@ -92,7 +92,7 @@ class FCFSRequestQueue(deque, RequestQueue):
 # %% ../../../../nbs/20_request_queue.ipynb #7baa29a0
 class PriorityRequestQueue(RequestQueue):
     """Lowest `priority` first, then earliest `arrival_time`. Removal is O(n) (rebuild the heap), which is
-    fine for aborts. Source: vLLM v0.11 v1/core/sched/request_queue.py `PriorityRequestQueue`."""
+    fine for aborts. Source: vLLM v0.15 v1/core/sched/request_queue.py `PriorityRequestQueue`."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, Request]] = []
@@ -138,7 +138,7 @@ class PriorityRequestQueue(RequestQueue):
 # %% ../../../../nbs/20_request_queue.ipynb #af5454b5
 def create_request_queue(policy: SchedulingPolicy | str) -> RequestQueue:
     """An empty waiting queue for `policy` ("fcfs" or "priority"). Raises ValueError otherwise.
-    Source: vLLM v0.11 v1/core/sched/request_queue.py `create_request_queue`."""
+    Source: vLLM v0.15 v1/core/sched/request_queue.py `create_request_queue`."""
     policy = SchedulingPolicy(policy) if isinstance(policy, str) else policy
     if policy == SchedulingPolicy.PRIORITY:
         return PriorityRequestQueue()

@@ -42,7 +42,7 @@ class Scheduler:
     `policy`) and the context limit from `model_config.max_model_len`. The KV pool is
     `kv_cache_config` (sized by the EngineCore). `include_finished_set` makes each step's outputs
     list the ids finished for that client.
-    Source: vLLM v0.11 v1/core/sched/scheduler.py `Scheduler`."""
+    Source: vLLM v0.15 v1/core/sched/scheduler.py `Scheduler`."""
 
     def __init__(
         self,
