@@ -22,20 +22,21 @@ MODULE_ATTRS = {
     "RequestOutput": ".outputs:RequestOutput",
 }
 
-if typing.TYPE_CHECKING:
-    from minivllm.engine.arg_utils import EngineArgs
-    from minivllm.entrypoints.llm import LLM
-    from minivllm.outputs import CompletionOutput, RequestOutput
-    from minivllm.sampling_params import RequestOutputKind, SamplingParams
-    from minivllm.v1.engine.async_llm import AsyncLLM
-    from minivllm.v1.engine.async_llm import AsyncLLM as AsyncLLMEngine
-    from minivllm.v1.engine.llm_engine import LLMEngine
+if typing.TYPE_CHECKING:  # for type checkers and IDEs only: at run time the names load lazily (below)
+    from minivllm.engine.arg_utils import EngineArgs  # noqa: F401
+    from minivllm.entrypoints.llm import LLM  # noqa: F401
+    from minivllm.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
+    from minivllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+    from minivllm.v1.engine.async_llm import AsyncLLM as AsyncLLMEngine  # noqa: F401
+    from minivllm.v1.engine.llm_engine import LLMEngine  # noqa: F401
 
 
 def __getattr__(name: str) -> typing.Any:
     "Import `name`'s module on first use and return the attribute (cached in the package namespace)."
     target = MODULE_ATTRS.get(name)
-    if target is None: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module_name, attr = target.split(":")
     value = getattr(importlib.import_module(module_name, __package__), attr)
     globals()[name] = value
