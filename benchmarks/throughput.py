@@ -14,7 +14,7 @@ the ratio to the first minivllm configuration (and to transformers unless --skip
     # CPU smoke test of the same path (slow, but it must work):
     python benchmarks/throughput.py --random-weights qwen3-0.6b --skip-hf --num-prompts 2 --max-len 16 --output-len 4
 
---enforce-eager adds an eager run; each --custom-ops SPEC adds a run with `custom_ops=SPEC.split(",")` (e.g.
+--async-scheduling adds a run with async scheduling off and one with it on; --enforce-eager adds an eager run; each --custom-ops SPEC adds a run with `custom_ops=SPEC.split(",")` (e.g.
 `--custom-ops none all`: the torch layers vs the fused CPU kernels); each --cudagraph-mode adds a run with that mode (on the CPU every run is
 eager: graphs are CUDA-only). With neither, one run uses the engine's default (env MINIVLLM_CUDAGRAPH_MODE,
 else NONE). Engine start-up time (weights, KV cache, graph capture) is printed but not counted.
@@ -136,6 +136,8 @@ def engine_configs(args) -> list[tuple[str, dict]]:
     runs = [("eager", {"enforce_eager": True})] if args.enforce_eager else []
     runs += [(m.upper(), {"compilation_config": {"cudagraph_mode": m.upper()}}) for m in args.cudagraph_mode or []]
     runs += [(f"custom_ops={spec}", {"compilation_config": {"custom_ops": spec.split(",")}}) for spec in args.custom_ops or []]
+    if args.async_scheduling:  # side by side: the same engine with async scheduling off, then on
+        runs += [("sync scheduling", {}), ("async scheduling", {"async_scheduling": True})]
     return runs or [("default", {})]
 
 
@@ -163,6 +165,8 @@ def main():
     ap.add_argument("--custom-ops", nargs="+", default=None, metavar="SPEC",
                     help="one minivllm run per CompilationConfig.custom_ops setting, comma-separated "
                          "(e.g. --custom-ops none all, or none,+rms_norm): the fused CPU kernels off / on")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="add two minivllm runs: async scheduling off, then on (AsyncScheduler, two batches in flight)")
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     ap.add_argument("--output-json", default=None, help="also write the results to this file")
     args = ap.parse_args()
