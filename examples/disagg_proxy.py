@@ -71,7 +71,10 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
 
     @app.get("/health")
     async def health():
-        ok = all([(await client.get(u + "/health")).status_code == 200 for u in (prefill_url, decode_url)])
+        try:
+            ok = all([(await client.get(u + "/health")).status_code == 200 for u in (prefill_url, decode_url)])
+        except httpx.HTTPError:  # a backend is down or still starting
+            ok = False
         return Response(status_code=200 if ok else 503)
 
     return app
