@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_cache_invariants import check_block_pool
+from minivllm.v1.core.kv_cache_invariants import check_block_pool
 from minivllm.v1.core.block_pool import BlockPool
 from minivllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, sha256_cbor
 

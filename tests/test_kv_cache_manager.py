@@ -11,7 +11,7 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_cache_invariants import check_kv_cache_manager
+from minivllm.v1.core.kv_cache_invariants import check_kv_cache_manager
 from minivllm.sampling_params import SamplingParams
 from minivllm.v1.core.kv_cache_manager import KVCacheManager
 from minivllm.v1.core.kv_cache_utils import (BlockHashListWithBlockSize, get_hash_fn_by_name, get_request_block_hasher,

@@ -4,7 +4,7 @@ completions that arrive early, late, twice or never, aborts racing them, load er
 A scripted connector (`ScriptedConnector`, reached through `kv_connector_module_path`) answers
 `get_num_new_matched_tokens` from a per-request table and records every call. The model runner is a stub
 (next token = last + 1) that returns whatever `KVConnectorOutput` the test hands it. After every step the
-block pool's invariants hold (tests/kv_cache_invariants.py).
+block pool's invariants hold (minivllm.v1.core.kv_cache_invariants).
 """
 import json
 import tempfile
@@ -15,7 +15,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kv_cache_invariants import check_kv_cache_manager
+from minivllm.v1.core.kv_cache_invariants import check_kv_cache_manager
 
 from minivllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from minivllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
