@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {  # key -> caption, in sidebar order
     "connectors": "Connectors",
     "multimodal": "Multimodal",
     "server": "Server",
+    "observe": "Seeing the engine work",
     "appendix": "Appendix",
 }
 
@@ -53,7 +54,7 @@ NUMBER_FALLBACK: list[tuple[int, int, str]] = [
     (30, 39, "worker"),
     (40, 49, "worker"),
     (50, 59, "engine"),
-    (60, 69, "connectors"),
+    (60, 69, "observe"),  # step traces, plots, the block pool picture, the simulator
     (70, 79, "multimodal"),
     (80, 89, "server"),
     (90, 99, "appendix"),
