@@ -184,9 +184,8 @@ def test_worker_start_failure_names_the_worker(tmp_path):
     assert shm_segments() <= before
 
 
-def test_world_size_above_one_is_refused(ckpt):
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
-        MultiprocExecutor(mp_config(ckpt, tensor_parallel_size=2))
+def test_world_size_above_one_picks_mp(ckpt):
+    # tp x pp > 1 runs (tests/test_distributed.py); without a backend named it goes to worker processes
     cfg = EngineArgs(model=ckpt, tensor_parallel_size=2).create_engine_config()
     assert cfg.parallel_config.distributed_executor_backend == "mp"
     assert Executor.get_class(cfg) is MultiprocExecutor
