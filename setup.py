@@ -21,7 +21,10 @@ extras = {
             "triton==3.6.0; platform_system == 'Linux'",
             # the docs site (`make docs`, tools/docs/) and its headless-browser test
             "sphinx==9.0.4", "myst-nb==1.4.0", "furo==2025.12.19", "websocket-client==1.9.2",
-            "matplotlib==3.11.2"],  # the plots of chapters 62-64 (imported only in their own cells)
+            "matplotlib==3.11.2",  # the plots of chapters 62-64 (imported only in their own cells)
+            "ray", "psutil"],  # RayDistributedExecutor and tests/test_distributed.py
+    # distributed_executor_backend="ray" (RayDistributedExecutor, several machines)
+    "ray": ["ray"],
     # building the docs site alone: the renderer and the chapters' plots
     "docs": ["sphinx==9.0.4", "myst-nb==1.4.0", "furo==2025.12.19", "execnb==0.1.16", "matplotlib==3.11.2"],
     "embedded": ["gguf"],
