@@ -8,6 +8,7 @@
 import os
 import signal
 import threading
+import time
 
 import psutil
 import pytest
@@ -146,3 +147,29 @@ def test_pipeline_parallel_2_equals_1_then_a_killed_worker_fails_fast(model):
     if arch == "qwen3":
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert not alive, f"worker processes left: {alive}"
+
+
+def test_ray_tensor_parallel_2_equals_1_and_leaves_no_actor(model):
+    arch, path, expected = model
+    if arch != "llama":
+        pytest.skip("one architecture is enough through Ray")
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **KW)
+        executor = executor_of(llm)
+        try:
+            assert type(executor).__name__ == "RayDistributedExecutor" and len(executor.workers) == 2
+            pids = ray.get([w.get_pid.remote() for w in executor.workers])
+            assert len(set(pids)) == 2 and os.getpid() not in pids
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+        finally:
+            llm.llm_engine.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            executor.collective_rpc("check_health")
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if psutil.pid_exists(p)], "Ray actor processes left after shutdown"
+    finally:
+        ray.shutdown()
