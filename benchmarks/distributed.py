@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU: per-step all-reduce time and bytes at TP=2 next to the TP=1 step time, in one run.
+"""Tensor parallelism on the CPU: per-step all-reduce time and bytes at TP=2 beside the TP=1 step time.
 
 Both configurations run through `MultiprocExecutor` (worker processes, gloo), so the step time is measured the
 same way: inside rank 0's `Worker.execute_model` (forward + logits, no scheduling or IPC). For TP=2 each
@@ -12,6 +12,7 @@ N prompts of random token ids, greedy, EOS ignored; prefill and decode steps are
 On a 2-core CPU, TP=2 mostly measures the communication: both workers share the same cores, so the
 matmuls are not faster and the all-reduces are added on top.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,9 @@ def install_probes(worker) -> None:
             t = time.perf_counter()
             out = orig(self, input_, *args, **kwargs)
             if stats["comm"]:
-                stats["comm"][-1].append((op, input_.numel() * input_.element_size(), time.perf_counter() - t))
+                stats["comm"][-1].append(
+                    (op, input_.numel() * input_.element_size(), time.perf_counter() - t)
+                )
             return out
 
         return wrapper
@@ -69,11 +72,20 @@ def run(path: str, tp: int, args) -> dict:
     from minivllm.sampling_params import SamplingParams
 
     rng = np.random.default_rng(args.seed)
-    prompts = [{"prompt_token_ids": rng.integers(5, 400, args.prompt_len).tolist()} for _ in range(args.num_prompts)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(5, 400, args.prompt_len).tolist()} for _ in range(args.num_prompts)
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm = LLM(path, dtype=args.dtype, tensor_parallel_size=tp, distributed_executor_backend="mp",
-              device=args.device, max_model_len=args.prompt_len + args.output_len + 8,
-              kv_cache_memory_bytes=args.kv_cache_mb << 20, max_num_seqs=args.num_prompts)
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        device=args.device,
+        max_model_len=args.prompt_len + args.output_len + 8,
+        kv_cache_memory_bytes=args.kv_cache_mb << 20,
+        max_num_seqs=args.num_prompts,
+    )
     try:
         executor = llm.llm_engine.engine_core.engine_core.model_executor
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
@@ -92,13 +104,21 @@ def run(path: str, tp: int, args) -> dict:
             return None
         step = np.mean([stats["steps"][i][1] for i in idx])
         comm = [stats["comm"][i] for i in idx]
-        return dict(steps=len(idx), step_ms=1e3 * step,
-                    calls=np.mean([len(c) for c in comm]),
-                    comm_bytes=np.mean([sum(b for _, b, _ in c) for c in comm]),
-                    comm_ms=1e3 * np.mean([sum(s for _, _, s in c) for c in comm]))
+        return dict(
+            steps=len(idx),
+            step_ms=1e3 * step,
+            calls=np.mean([len(c) for c in comm]),
+            comm_bytes=np.mean([sum(b for _, b, _ in c) for c in comm]),
+            comm_ms=1e3 * np.mean([sum(s for _, _, s in c) for c in comm]),
+        )
 
-    return dict(tp=tp, wall_s=wall, tok_s=args.num_prompts * args.output_len / wall,
-                prefill=summary(prefill), decode=summary(decode))
+    return dict(
+        tp=tp,
+        wall_s=wall,
+        tok_s=args.num_prompts * args.output_len / wall,
+        prefill=summary(prefill),
+        decode=summary(decode),
+    )
 
 
 def main() -> None:
@@ -121,17 +141,27 @@ def main() -> None:
     from minivllm.testing import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(
-        args.arch, tempfile.mkdtemp(prefix="bench_dist_"), hidden_size=args.hidden_size,
-        intermediate_size=4 * args.hidden_size, num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        head_dim=args.hidden_size // args.num_heads)
-    print(f"{args.arch}: hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads "
-          f"({args.num_kv_heads} KV), {args.dtype} on {args.device}; {args.num_prompts} prompts x "
-          f"{args.prompt_len} tokens, {args.output_len} out; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+        args.arch,
+        tempfile.mkdtemp(prefix="bench_dist_"),
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.hidden_size // args.num_heads,
+    )
+    print(
+        f"{args.arch}: hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads "
+        f"({args.num_kv_heads} KV), {args.dtype} on {args.device}; {args.num_prompts} prompts x "
+        f"{args.prompt_len} tokens, {args.output_len} out; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
     results = [run(path, tp, args) for tp in args.tp]
     base = results[0]["decode"]["step_ms"]
-    print(f"\n{'TP':>3} {'phase':>8} {'steps':>6} {'step ms':>9} {'vs TP=1':>8} {'coll/step':>10} "
-          f"{'KiB/step':>9} {'comm ms':>8} {'comm %':>7} {'tok/s':>8}")
+    print(
+        f"\n{'TP':>3} {'phase':>8} {'steps':>6} {'step ms':>9} {'vs TP=1':>8} {'coll/step':>10} "
+        f"{'KiB/step':>9} {'comm ms':>8} {'comm %':>7} {'tok/s':>8}"
+    )
     for r in results:
         for phase in ("prefill", "decode"):
             s = r[phase]
@@ -139,9 +169,12 @@ def main() -> None:
                 continue
             ratio = f"{s['step_ms'] / base:.2f}x" if phase == "decode" else ""
             tok_s = f"{r['tok_s']:.1f}"
-            print(f"{r['tp']:>3} {phase:>8} {s['steps']:>6} {s['step_ms']:>9.2f} {ratio:>8} {s['calls']:>10.1f} "
-                  f"{s['comm_bytes'] / 1024:>9.1f} {s['comm_ms']:>8.2f} {100 * s['comm_ms'] / s['step_ms']:>6.1f}% "
-                  f"{tok_s if phase == 'decode' else '':>8}")
+            share = 100 * s["comm_ms"] / s["step_ms"]
+            print(
+                f"{r['tp']:>3} {phase:>8} {s['steps']:>6} {s['step_ms']:>9.2f} {ratio:>8} "
+                f"{s['calls']:>10.1f} {s['comm_bytes'] / 1024:>9.1f} {s['comm_ms']:>8.2f} {share:>6.1f}% "
+                f"{tok_s if phase == 'decode' else '':>8}"
+            )
 
 
 if __name__ == "__main__":
