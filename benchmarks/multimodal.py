@@ -1,5 +1,5 @@
-"""Multimodal serving costs: requests/s and TTFT with one image per request, processor cache off vs on, and the
-encoder-cache hit rate when half of the images repeat, side by side in one run.
+"""Multimodal serving costs: requests/s and TTFT with one image per request, processor cache off vs on, and
+the encoder-cache hit rate when half of the images repeat, side by side in one run.
 
     python benchmarks/multimodal.py [--model PATH] [--num-requests 32] [--image-size 640x480] [--max-tokens 8]
                                     [--repeat 3]
@@ -11,6 +11,7 @@ counters can be read): `unique` = every image different; `half repeat` = each im
 Columns: requests/s (wall time of one `generate` over all requests), mean TTFT (submission to first token),
 HF processor calls, vision-encoder batches and items, encoder-cache hit rate (1 - encoded / image requests).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ def _cpu_flags() -> str:
         flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0]
     except (OSError, IndexError):
         return "?"
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags) or "no avx2"
+    return (
+        " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags) or "no avx2"
+    )
 
 
 def images(n: int, size: tuple[int, int], seed: int) -> list[Image.Image]:
@@ -53,9 +56,13 @@ def run(model: str, workload: list[Image.Image], cache_gb: float, max_tokens: in
 
     counting.items = 0
     runner._execute_mm_encoder = counting
-    prompt = "<bos><start_of_turn>user\n<start_of_image>Describe the image.<end_of_turn>\n<start_of_turn>model\n"
+    prompt = (
+        "<bos><start_of_turn>user\n<start_of_image>Describe the image.<end_of_turn>\n<start_of_turn>model\n"
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    generate([{"prompt": prompt, "multi_modal_data": {"image": [images(1, (64, 64), 99)[0]]}}], llm, params)  # warm-up
+    generate(
+        [{"prompt": prompt, "multi_modal_data": {"image": [images(1, (64, 64), 99)[0]]}}], llm, params
+    )  # warm-up
     runner.num_encoder_runs, counting.items = 0, 0
     processor = llm.llm_engine.input_processor.mm_processor
     processor.num_hf_calls = 0
@@ -97,13 +104,17 @@ def main() -> None:
     unique = images(n, size, seed=0)
     half = images(n // 2, size, seed=1) * 2
     random.Random(0).shuffle(half)
-    print(f"CPU flags: {_cpu_flags()}; threads {os.environ.get('OMP_NUM_THREADS', 'default')}; "
-          f"{n} requests, 1 image of {size[0]}x{size[1]} each, {args.max_tokens} tokens out")
+    print(
+        f"CPU flags: {_cpu_flags()}; threads {os.environ.get('OMP_NUM_THREADS', 'default')}; "
+        f"{n} requests, 1 image of {size[0]}x{size[1]} each, {args.max_tokens} tokens out"
+    )
     rows = []
     for name, workload in (("unique", unique), ("half repeat", half)):
         for cache_gb in (0.0, 4.0):
-            runs = sorted((run(model, workload, cache_gb, args.max_tokens) for _ in range(args.repeat)),
-                          key=lambda r: r["req/s"])
+            runs = sorted(
+                (run(model, workload, cache_gb, args.max_tokens) for _ in range(args.repeat)),
+                key=lambda r: r["req/s"],
+            )
             rows.append((name, "off" if cache_gb == 0 else "on", runs[len(runs) // 2]))
     cols = list(rows[0][2])
     print(f"{'workload':<12} {'proc cache':<10} " + " ".join(f"{c:>12}" for c in cols))
