@@ -1,0 +1,161 @@
+"""Encoder-cache transfer (ECExampleConnector) through the whole engine, on the tiny Gemma 3 vision checkpoint
+(float32, CPU).
+
+An encoder-only producer (`ec_role` "ec_producer") and a consumer sharing a folder give the same greedy tokens
+as one plain instance; the consumer never runs the vision tower; the producer never runs the decoder and takes
+no KV block. A file that is missing, or damaged after the producer wrote it, is encoded on the consumer
+instead: same tokens, a warning, no hang.
+"""
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+pytestmark = pytest.mark.timeout(120)  # a load that never completes must fail the test, not hang it
+
+
+def image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+def request(*seeds: int) -> dict:
+    prompt = "<bos>Look" + "".join(f" at <start_of_image> number {i}" for i in range(len(seeds))) + " and say"
+    return {"prompt": prompt, "multi_modal_data": {"image": [image(s) for s in seeds]}}
+
+
+def tokens(llm, requests) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(requests, GREEDY, use_tqdm=False)]
+
+
+def core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def runner(llm):
+    return core(llm).model_executor.driver_worker.model_runner
+
+
+def ec_config(folder, role: str) -> dict:
+    return {
+        "ec_connector": "ECExampleConnector",
+        "ec_role": role,
+        "ec_connector_extra_config": {"shared_storage_path": str(folder)},
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("ec_store")
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    llm = LLM(ckpt, dtype="float32", block_size=4)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def producer(ckpt, folder):
+    llm = LLM(ckpt, dtype="float32", block_size=4, ec_transfer_config=ec_config(folder, "ec_producer"))
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def consumer(ckpt, folder):
+    llm = LLM(ckpt, dtype="float32", block_size=4, ec_transfer_config=ec_config(folder, "ec_consumer"))
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+PRODUCED = [(0,), (1, 2), (3,), (4, 5)]  # the images the producer encodes, one request each
+
+
+@pytest.fixture(scope="module")
+def produced(producer, folder):
+    """Run the producer over PRODUCED, one request at a time: (outputs, the folders each request added, the
+    decoder calls and the KV blocks taken meanwhile)."""
+    r, pool = runner(producer), core(producer).scheduler.kv_cache_manager.block_pool
+    calls = {"forward": 0, "blocks": 0}
+    forward, get_new_blocks = r.model.forward, pool.get_new_blocks
+
+    def counting_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def counting_blocks(n):
+        calls["blocks"] += n
+        return get_new_blocks(n)
+
+    r.model.forward, pool.get_new_blocks = counting_forward, counting_blocks
+    outputs, folders = [], {}
+    try:
+        for seeds in PRODUCED:
+            before = {p.name for p in folder.iterdir()}
+            outputs += producer.generate([request(*seeds)], GREEDY, use_tqdm=False)
+            folders[seeds] = sorted({p.name for p in folder.iterdir()} - before)
+    finally:
+        r.model.forward, pool.get_new_blocks = forward, get_new_blocks
+    return outputs, folders, calls
+
+
+def test_producer_encodes_saves_and_never_decodes(producer, produced, folder):
+    outputs, folders, calls = produced
+    # one placeholder token per request, finished there (max_tokens was 6)
+    assert [o.outputs[0].token_ids for o in outputs] == [[0]] * len(PRODUCED)
+    assert {o.outputs[0].finish_reason for o in outputs} == {"length"}
+    assert [len(folders[s]) for s in PRODUCED] == [len(s) for s in PRODUCED]  # one file per new image
+    for name in sum(folders.values(), []):
+        assert (folder / name / "encoder_cache.safetensors").is_file()
+    assert runner(producer).num_encoder_runs == len(PRODUCED)  # the vision tower ran, once per request
+    assert calls["forward"] == 0  # the decoder never ran
+    # no KV cache at all: no group, no tensor, no block ever handed out
+    scheduler = core(producer).scheduler
+    assert scheduler.kv_cache_config.kv_cache_groups == [] and runner(producer).kv_caches == []
+    assert calls["blocks"] == 0 and scheduler.kv_cache_manager.block_pool.get_usage() == 0.0
+
+
+def test_consumer_equals_one_instance_without_the_encoder(plain, consumer, produced):
+    requests = [request(0), request(1, 2), request(3), request(2, 0)]  # the last reuses stored images
+    expected = tokens(plain, requests)
+    before = runner(consumer).num_encoder_runs
+    assert tokens(consumer, requests) == expected
+    assert runner(consumer).num_encoder_runs == before == 0  # every image came from the folder
+    assert runner(plain).num_encoder_runs > 0
+
+
+def test_damaged_files_are_encoded_on_the_consumer(plain, consumer, produced, folder, caplog):
+    garbage, short = (folder / name / "encoder_cache.safetensors" for name in produced[1][(4, 5)])
+    garbage.write_bytes(b"\0" * 64)  # unreadable
+    from safetensors.torch import save_file
+
+    save_file({"ec_cache": torch.zeros(3, 8)}, str(short))  # readable, wrong shape
+    expected = tokens(plain, [request(4, 5)])
+    before = runner(consumer).num_encoder_runs
+    with caplog.at_level(logging.WARNING):
+        assert tokens(consumer, [request(4, 5)]) == expected
+    assert runner(consumer).num_encoder_runs == before + 1  # both images encoded, in one batch
+    assert caplog.text.count("cannot load encoder output") == 2
+    assert "did not come through the EC connector" in caplog.text
+
+
+def test_missing_file_is_encoded_on_the_consumer(plain, consumer, produced, caplog):
+    expected = tokens(plain, [request(7)])  # an image the producer never saw
+    before = runner(consumer).num_encoder_runs
+    with caplog.at_level(logging.WARNING):
+        assert tokens(consumer, [request(7)]) == expected
+    assert runner(consumer).num_encoder_runs == before + 1
+    assert "no encoder output for" in caplog.text
