@@ -128,17 +128,20 @@ def test_pipeline_parallel_2_equals_1_then_a_killed_worker_fails_fast(model):
         if arch != "qwen3":
             return
         pids = [w.proc.pid for w in executor.workers]
-        os.kill(pids[1], signal.SIGKILL)
         result = {}
 
         def run():
             try:
-                llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+                llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), use_tqdm=False)
             except Exception as e:
                 result["error"] = e
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        while not scheduler.running and t.is_alive():   # mid-run: requests are being decoded
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "the engine hangs after a worker died"
         assert "rank 1" in str(result.get("error")), result
