@@ -126,6 +126,9 @@ def test_producer_encodes_saves_and_never_decodes(producer, produced, folder):
     scheduler = core(producer).scheduler
     assert scheduler.kv_cache_config.kv_cache_groups == [] and runner(producer).kv_caches == []
     assert calls["blocks"] == 0 and scheduler.kv_cache_manager.block_pool.get_usage() == 0.0
+    # an image already in the folder is not encoded again
+    runs = runner(producer).num_encoder_runs
+    assert tokens(producer, [request(3)]) == [[0]] and runner(producer).num_encoder_runs == runs
 
 
 def test_consumer_equals_one_instance_without_the_encoder(plain, consumer, produced):
