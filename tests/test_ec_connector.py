@@ -162,3 +162,48 @@ def test_missing_file_is_encoded_on_the_consumer(plain, consumer, produced, capl
         assert tokens(consumer, [request(7)]) == expected
     assert runner(consumer).num_encoder_runs == before + 1
     assert "no encoder output for" in caplog.text
+
+
+def test_ec_both_saves_then_loads(ckpt, plain, tmp_path):
+    """`ec_both`: an engine on an empty folder encodes and saves (its tokens are the plain ones); a second
+    one on the same folder loads instead of encoding."""
+    requests = [request(10), request(11, 10)]
+    expected = tokens(plain, requests)
+    for n_runs in (1, 0):  # one batched encoder run (both requests in one step) for the first, none after
+        llm = LLM(ckpt, dtype="float32", block_size=4, ec_transfer_config=ec_config(tmp_path, "ec_both"))
+        try:
+            assert tokens(llm, requests) == expected
+            assert runner(llm).num_encoder_runs == n_runs
+        finally:
+            llm.llm_engine.shutdown()
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_cli_flags_reach_the_engine_config(ckpt):
+    import argparse
+    import json
+
+    from minivllm.entrypoints.cli.main import _ENGINE_FLAGS, make_parser
+    from minivllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
+
+    flag = json.dumps(ec_config("/tmp/unused", "ec_producer"))
+    parser, _ = make_parser()
+    for argv in (["generate", str(ckpt), "hi"], ["chat", str(ckpt)]):
+        assert parser.parse_args([*argv, "--ec-transfer-config", flag]).ec_transfer_config == flag
+    assert "ec_transfer_config" in _ENGINE_FLAGS
+    serve_args = make_arg_parser(argparse.ArgumentParser()).parse_args([str(ckpt), "--ec-transfer-config", flag])
+    config = engine_args_from(serve_args).create_engine_config().ec_transfer_config
+    assert config.is_ec_producer_only and config.ec_connector_extra_config == {"shared_storage_path": "/tmp/unused"}
+
+
+def test_metadata_and_output_pickle():
+    "What crosses to the workers and back survives pickling (the multiprocess executor pickles both)."
+    import pickle
+
+    from minivllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnectorMetadata, MMMeta
+    from minivllm.v1.outputs import ECConnectorOutput
+
+    meta = ECExampleConnectorMetadata([MMMeta("abc", 3)])
+    assert pickle.loads(pickle.dumps(meta)) == meta
+    out = ECConnectorOutput(finished_sending={"r1"})
+    assert pickle.loads(pickle.dumps(out)) == out
