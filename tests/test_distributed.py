@@ -1,7 +1,8 @@
 """Distributed execution on the CPU (gloo): tensor and pipeline parallelism through worker processes.
 
-- TP=2 and PP=2 (mp backend) give the same greedy tokens as TP=1 on tiny Llama and Qwen3 float32 checkpoints;
-- the sharded weights of the TP=2 workers, all-gathered back, equal the checkpoint's tensors;
+- TP=2, PP=2 (Llama) and TP=2 x PP=2 (Qwen3; vLLM's rank layout over four workers) through the mp backend give
+  the same greedy tokens as TP=1 on tiny float32 checkpoints;
+- the sharded weights, all-gathered back over each TP group, equal the checkpoint's tensors;
 - a worker killed mid-run: the engine fails fast naming the rank, and no worker process is left;
 - TP=2 through Ray equals TP=1, and no Ray actor process is left after shutdown.
 """
@@ -31,15 +32,24 @@ def in_process_engine(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model(request, tmp_path_factory):
-    "(arch, checkpoint, greedy tokens at TP=1 in-process)."
-    path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+def reference(arch: str, tmp_path_factory) -> tuple[str, list]:
+    "(checkpoint, greedy tokens at TP=1 in-process)."
+    path = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
     os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        return request.param, path, generate(path)
+        return path, generate(path)
     finally:
         del os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return reference("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return reference("qwen3", tmp_path_factory)
 
 
 def generate(path, **kw):
@@ -94,8 +104,20 @@ def gather_weights(worker) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_tensor_parallel_2_equals_1_and_weights_gather_back(model, monkeypatch):
-    arch, path, expected = model
+def assert_gathered_equal_checkpoint(gathered: list[dict], path: str) -> None:
+    "Each rank's gathered weights equal the checkpoint's; together the ranks hold all of it."
+    ckpt = load_file(f"{path}/model.safetensors")
+    seen = set()
+    for rank_weights in gathered:
+        assert set(rank_weights) <= set(ckpt), set(rank_weights) - set(ckpt)
+        for name, t in rank_weights.items():
+            torch.testing.assert_close(t, ckpt[name], rtol=0, atol=0, msg=name)
+        seen |= set(rank_weights)
+    assert seen == set(ckpt), set(ckpt) - seen
+
+
+def test_tensor_parallel_2_equals_1_and_weights_gather_back(llama, monkeypatch):
+    path, expected = llama
     monkeypatch.setenv("MINIVLLM_CPU_ONEDNN_GEMM", "0")  # the workers keep their plain weights to gather
     llm = LLM(path, tensor_parallel_size=2, **KW)
     try:
@@ -109,25 +131,33 @@ def test_tensor_parallel_2_equals_1_and_weights_gather_back(model, monkeypatch):
         gathered = executor.collective_rpc(gather_weights)
     finally:
         llm.llm_engine.shutdown()
-    ckpt = load_file(f"{path}/model.safetensors")
-    for rank_weights in gathered:
-        assert set(rank_weights) == set(ckpt), set(rank_weights) ^ set(ckpt)
-        for name, t in ckpt.items():
-            torch.testing.assert_close(rank_weights[name], t, rtol=0, atol=0, msg=name)
+    assert gathered[0].keys() == gathered[1].keys()
+    assert_gathered_equal_checkpoint(gathered, path)
 
 
-def test_pipeline_parallel_2_equals_1_then_a_killed_worker_fails_fast(model):
-    arch, path, expected = model
+def test_pipeline_parallel_2_equals_1(llama):
+    path, expected = llama
     llm = LLM(path, pipeline_parallel_size=2, **KW)
-    executor = executor_of(llm)
     try:
+        executor = executor_of(llm)
         assert executor.max_concurrent_batches == 2 and executor.output_rank == 1
-        layers = executor.collective_rpc(layer_range)
-        assert layers == [(0, 1), (1, 2)]
+        assert executor.collective_rpc(layer_range) == [(0, 1), (1, 2)]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
-        if arch != "qwen3":
-            return
-        pids = [w.proc.pid for w in executor.workers]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_x_pp2_equals_1_then_a_killed_worker_fails_fast(qwen3, monkeypatch):
+    path, expected = qwen3
+    monkeypatch.setenv("MINIVLLM_CPU_ONEDNN_GEMM", "0")
+    llm = LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, **KW)
+    executor = executor_of(llm)
+    pids = [w.proc.pid for w in executor.workers]
+    try:
+        assert len(pids) == 4 and executor.output_rank == 2   # first rank of the last stage
+        assert executor.collective_rpc(layer_range) == [(0, 1), (0, 1), (1, 2), (1, 2)]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+        assert_gathered_equal_checkpoint(executor.collective_rpc(gather_weights), path)
         result = {}
 
         def run():
@@ -141,21 +171,18 @@ def test_pipeline_parallel_2_equals_1_then_a_killed_worker_fails_fast(model):
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         while not scheduler.running and t.is_alive():   # mid-run: requests are being decoded
             time.sleep(0.01)
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[3], signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "the engine hangs after a worker died"
-        assert "rank 1" in str(result.get("error")), result
+        assert "rank 3" in str(result.get("error")), result
     finally:
         llm.llm_engine.shutdown()
-    if arch == "qwen3":
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"worker processes left: {alive}"
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"worker processes left: {alive}"
 
 
-def test_ray_tensor_parallel_2_equals_1_and_leaves_no_actor(model):
-    arch, path, expected = model
-    if arch != "llama":
-        pytest.skip("one architecture is enough through Ray")
+def test_ray_tensor_parallel_2_equals_1_and_leaves_no_actor(llama):
+    path, expected = llama
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False)
     try:
