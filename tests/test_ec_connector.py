@@ -207,3 +207,27 @@ def test_metadata_and_output_pickle():
     assert pickle.loads(pickle.dumps(meta)) == meta
     out = ECConnectorOutput(finished_sending={"r1"})
     assert pickle.loads(pickle.dumps(out)) == out
+
+
+def test_chunked_prefill_producer_and_consumer(ckpt, plain, tmp_path):
+    """10 tokens per step: prompts are cut before each image, so the images are met (and saved, then loaded)
+    in later steps of running requests. The producer answers only once a prompt is complete."""
+    requests = [request(20, 21), request(22)]
+    expected = tokens(plain, requests)
+    engines = {}
+    for role in ("ec_producer", "ec_consumer"):
+        engines[role] = LLM(ckpt, dtype="float32", block_size=4, max_num_batched_tokens=10,
+                            ec_transfer_config=ec_config(tmp_path, role))
+    try:
+        assert tokens(engines["ec_producer"], requests) == [[0], [0]]
+        assert len(list(tmp_path.iterdir())) == 3
+        scheduler = core(engines["ec_consumer"]).scheduler
+        steps, schedule = [], scheduler.schedule
+        scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+        assert tokens(engines["ec_consumer"], requests) == expected
+        assert runner(engines["ec_consumer"]).num_encoder_runs == 0
+        # some image was loaded for a request already running (a later chunk of its prompt)
+        assert any(s.ec_connector_metadata.mm_datas and not s.scheduled_new_reqs for s in steps)
+    finally:
+        for llm in engines.values():
+            llm.llm_engine.shutdown()
