@@ -6,6 +6,7 @@ as one plain instance; the consumer never runs the vision tower; the producer ne
 no KV block. A file that is missing, or damaged after the producer wrote it, is encoded on the consumer
 instead: same tokens, a warning, no hang.
 """
+
 import logging
 
 import numpy as np
@@ -191,16 +192,23 @@ def test_cli_flags_reach_the_engine_config(ckpt):
     for argv in (["generate", str(ckpt), "hi"], ["chat", str(ckpt)]):
         assert parser.parse_args([*argv, "--ec-transfer-config", flag]).ec_transfer_config == flag
     assert "ec_transfer_config" in _ENGINE_FLAGS
-    serve_args = make_arg_parser(argparse.ArgumentParser()).parse_args([str(ckpt), "--ec-transfer-config", flag])
+    serve_args = make_arg_parser(argparse.ArgumentParser()).parse_args(
+        [str(ckpt), "--ec-transfer-config", flag]
+    )
     config = engine_args_from(serve_args).create_engine_config().ec_transfer_config
-    assert config.is_ec_producer_only and config.ec_connector_extra_config == {"shared_storage_path": "/tmp/unused"}
+    assert config.is_ec_producer_only and config.ec_connector_extra_config == {
+        "shared_storage_path": "/tmp/unused"
+    }
 
 
 def test_metadata_and_output_pickle():
     "What crosses to the workers and back survives pickling (the multiprocess executor pickles both)."
     import pickle
 
-    from minivllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnectorMetadata, MMMeta
+    from minivllm.distributed.ec_transfer.ec_connector.example_connector import (
+        ECExampleConnectorMetadata,
+        MMMeta,
+    )
     from minivllm.v1.outputs import ECConnectorOutput
 
     meta = ECExampleConnectorMetadata([MMMeta("abc", 3)])
@@ -216,8 +224,13 @@ def test_chunked_prefill_producer_and_consumer(ckpt, plain, tmp_path):
     expected = tokens(plain, requests)
     engines = {}
     for role in ("ec_producer", "ec_consumer"):
-        engines[role] = LLM(ckpt, dtype="float32", block_size=4, max_num_batched_tokens=10,
-                            ec_transfer_config=ec_config(tmp_path, role))
+        engines[role] = LLM(
+            ckpt,
+            dtype="float32",
+            block_size=4,
+            max_num_batched_tokens=10,
+            ec_transfer_config=ec_config(tmp_path, role),
+        )
     try:
         assert tokens(engines["ec_producer"], requests) == [[0], [0]]
         assert len(list(tmp_path.iterdir())) == 3
