@@ -292,14 +292,17 @@ def test_uniproc_executor_startup_and_steps(tiny_llama):
         executor.shutdown()
 
 
-def test_executor_get_class_rejects_unimplemented_backends(tiny_llama):
+def test_executor_get_class_by_backend(tiny_llama):
     from minivllm.v1.executor.abstract import Executor
     from minivllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from minivllm.v1.executor.ray_executor import RayDistributedExecutor
     cfg = VllmConfig(ModelConfig(tiny_llama), device_config=DeviceConfig("cpu"))
     cfg.parallel_config.distributed_executor_backend = "mp"
     assert Executor.get_class(cfg) is MultiprocExecutor
     cfg.parallel_config.distributed_executor_backend = "ray"
-    with pytest.raises(NotImplementedError, match="distributed_executor_backend"):
+    assert Executor.get_class(cfg) is RayDistributedExecutor
+    cfg.parallel_config.distributed_executor_backend = "nccl"
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
         Executor.get_class(cfg)
 
 
