@@ -203,3 +203,9 @@ def test_ray_tensor_parallel_2_equals_1_and_leaves_no_actor(llama):
         assert not [p for p in pids if psutil.pid_exists(p)], "Ray actor processes left after shutdown"
     finally:
         ray.shutdown()
+
+
+def test_async_scheduling_with_pipeline_parallel_is_refused(llama):
+    path, _ = llama
+    with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size"):
+        LLM(path, pipeline_parallel_size=2, async_scheduling=True, **KW)
