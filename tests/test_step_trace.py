@@ -109,3 +109,19 @@ def test_corrupted_ref_count_is_caught_with_its_step(ckpt, monkeypatch):
         assert "free queue (LRU first)" in str(e.value) and "r0: (block, ref_cnt)" in str(e.value)
     finally:
         core.shutdown()
+
+
+def test_cli_trace_steps(ckpt, tmp_path, monkeypatch, capsys):
+    "`minivllm generate --trace-steps FILE` writes the trace; `serve`'s flag reaches EngineArgs."
+    from minivllm.entrypoints.cli.main import main, make_parser
+    from minivllm.entrypoints.openai.cli_args import engine_args_from
+
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    path = tmp_path / "cli.jsonl"
+    assert main(["generate", "--model", ckpt, "--max-model-len", "64", "--max-tokens", "3", "--ignore-eos",
+                 "--trace-steps", str(path), "hello"]) in (0, None)
+    steps = load_step_trace(path)
+    assert sum(e[3] for s in steps for e in s.scheduled) == 3
+    args = make_parser()[0].parse_args(["serve", ckpt, "--trace-steps", str(path), "--distributed-executor-backend", "sim"])
+    ea = engine_args_from(args)
+    assert ea.trace_steps == str(path) and ea.distributed_executor_backend == "sim"
