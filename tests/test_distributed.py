@@ -193,6 +193,13 @@ def test_ray_tensor_parallel_2_equals_1_and_leaves_no_actor(llama):
             pids = ray.get([w.get_pid.remote() for w in executor.workers])
             assert len(set(pids)) == 2 and os.getpid() not in pids
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+            os.kill(pids[1], signal.SIGKILL)   # an actor dies: named, and nothing more is sent
+            while psutil.pid_exists(pids[1]) and psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.05)
+            with pytest.raises(RuntimeError, match="rank 1 died"):
+                executor.collective_rpc("check_health", timeout=60)
+            with pytest.raises(RuntimeError, match="rank 1 died"):
+                executor.check_health()
         finally:
             llm.llm_engine.shutdown()
         with pytest.raises(RuntimeError, match="shut down"):
