@@ -216,3 +216,40 @@ def test_async_scheduling_with_pipeline_parallel_is_refused(llama):
     path, _ = llama
     with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size"):
         LLM(path, pipeline_parallel_size=2, async_scheduling=True, **KW)
+
+
+def test_data_parallel_2_uses_both_engines_and_equals_1(llama):
+    import asyncio
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.v1.engine.async_llm import AsyncLLM
+    from minivllm.v1.engine.core_client_dp import DPLBAsyncMPClient
+    from minivllm.v1.executor.abstract import Executor
+
+    path, expected = llama
+    cfg = EngineArgs(model=path, **KW).create_engine_config()
+    client = DPLBAsyncMPClient(cfg, Executor.get_class(cfg), False, data_parallel_size=2)
+    procs = [c.proc for c in client.clients]
+    llm = AsyncLLM(cfg, log_stats=False, engine_core=client)
+
+    async def one(i):
+        last = None
+        async for out in llm.generate(PROMPTS[i], PARAMS[i], f"dp{i}"):
+            last = out
+        return last.outputs[0].token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert all(p.is_alive() for p in procs) and len({p.pid for p in procs}) == 2
+        assert loop.run_until_complete(main()) == expected
+        assert client.requests_per_engine == [3, 3]   # the batch arrived at once: both engines got half
+        assert client.num_in_flight == [0, 0] and not client.dp_engines_running()
+    finally:
+        llm.shutdown()
+        loop.close()
+    for p in procs:
+        p.join(10)
+    assert not any(p.is_alive() for p in procs)
