@@ -4,7 +4,8 @@
   the same greedy tokens as TP=1 on tiny float32 checkpoints;
 - the sharded weights, all-gathered back over each TP group, equal the checkpoint's tensors;
 - a worker killed mid-run: the engine fails fast naming the rank, and no worker process is left;
-- TP=2 through Ray equals TP=1, and no Ray actor process is left after shutdown.
+- TP=2 through Ray equals TP=1, a killed actor is named, and no Ray actor process is left after shutdown;
+- DP=2 (two engine-core processes behind DPLBAsyncMPClient) serves a batch on both engines, outputs unchanged.
 """
 import os
 import signal
@@ -224,13 +225,14 @@ def test_data_parallel_2_uses_both_engines_and_equals_1(llama):
     from minivllm.engine.arg_utils import EngineArgs
     from minivllm.v1.engine.async_llm import AsyncLLM
     from minivllm.v1.engine.core_client_dp import DPLBAsyncMPClient
-    from minivllm.v1.executor.abstract import Executor
 
     path, expected = llama
-    cfg = EngineArgs(model=path, **KW).create_engine_config()
-    client = DPLBAsyncMPClient(cfg, Executor.get_class(cfg), False, data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size > 1 needs AsyncLLM"):
+        LLM(path, data_parallel_size=2, **KW)   # offline LLM: one per data-parallel rank instead
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=path, data_parallel_size=2, **KW), enable_multiprocessing=True)
+    client = llm.engine_core
+    assert isinstance(client, DPLBAsyncMPClient) and len(client.clients) == 2
     procs = [c.proc for c in client.clients]
-    llm = AsyncLLM(cfg, log_stats=False, engine_core=client)
 
     async def one(i):
         last = None
