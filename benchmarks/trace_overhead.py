@@ -55,7 +55,10 @@ def tracer_overhead(model: str, args) -> None:
     trace = os.path.join(tempfile.mkdtemp(prefix="minivllm-trace-"), "trace.jsonl")
     common = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len + args.output_len)
-    engines = {"off": LLM(**common), "on": LLM(**common, trace_steps=trace)}
+    if args.build_traced_first:  # the engine built second may run slower or faster on its own: swap to see
+        engines = {"on": LLM(**common, trace_steps=trace), "off": LLM(**common)}
+    else:
+        engines = {"off": LLM(**common), "on": LLM(**common, trace_steps=None if args.control else trace)}
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in out_lens]
     for llm in engines.values():  # warm-up
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
@@ -74,6 +77,9 @@ def tracer_overhead(model: str, args) -> None:
             on_wall += dt if name == "on" else 0.0
             print(f"  repeat {rep} tracer {name:>3}: {n / dt:8.1f} output tok/s ({dt:.1f} s)", flush=True)
     off, on = statistics.median(tps["off"]), statistics.median(tps["on"])
+    if args.control:
+        print(f"control (neither engine traced): first {off:.1f} tok/s, second {on:.1f} tok/s, {(off - on) / off:+.2%}")
+        return
     steps = load_step_trace(trace)
     print(f"median: tracer off {off:.1f} tok/s, on {on:.1f} tok/s, overhead {(off - on) / off:+.2%} "
           f"({len(steps)} steps traced, {os.path.getsize(trace) / 1e6:.1f} MB)")
@@ -110,6 +116,8 @@ def main():
     ap.add_argument("--sim-requests", type=int, default=10_000, help="0 skips the simulator part")
     ap.add_argument("--sim-rate", type=float, default=20.0, help="Poisson arrivals per virtual second")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--control", action="store_true", help="A/A run: the 'on' engine is not traced either")
+    ap.add_argument("--build-traced-first", action="store_true", help="build the traced engine first")
     args = ap.parse_args()
     from minivllm.transformers_utils.embedded import resolve_model
 
