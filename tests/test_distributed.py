@@ -36,11 +36,15 @@ def in_process_engine(monkeypatch):
 def reference(arch: str, tmp_path_factory) -> tuple[str, list]:
     "(checkpoint, greedy tokens at TP=1 in-process)."
     path = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
+    old = os.environ.get("MINIVLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         return path, generate(path)
-    finally:
-        del os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"]
+    finally:  # put back what was there (conftest sets "0" for the whole suite): deleting it broke later files
+        if old is None:
+            del os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
 @pytest.fixture(scope="module")
