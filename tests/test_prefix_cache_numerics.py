@@ -40,6 +40,7 @@ def test_cached_prefix_is_exact_in_float32():
             assert abs(lp.logprob - b[tid].logprob) < 2e-3
 
 
+@pytest.mark.slow  # 30 s on a 2-core CPU; the float32 exactness test above stays in the default suite
 def test_cached_prefix_moves_bfloat16_logits_by_about_one_step():
     cached, n_cached = _france_after_hi("bfloat16", True)
     fresh, _ = _france_after_hi("bfloat16", False)

@@ -55,7 +55,8 @@ def _chat(llm, people, params):
     return [o.outputs[0] for o in llm.chat(convs, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+# sampled (0.8) takes 30 s on a 2-core CPU: `-m slow`; greedy stays in the default suite
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)])
 def test_json_schema_outputs_validate(smol, temperature):
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     params = SamplingParams(temperature=temperature, seed=0, max_tokens=160, structured_outputs=so)
