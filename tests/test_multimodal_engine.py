@@ -218,3 +218,20 @@ def test_logprobs_match_transformers_with_images(llm, hf):
     for step, token in enumerate(comp.token_ids):
         ref = torch.log_softmax(res.logits[step][0].float(), -1)[token].item()
         assert abs(comp.logprobs[step][token].logprob - ref) < 1e-4, (step, comp.logprobs[step][token].logprob, ref)
+
+
+def test_tensor_parallel_2_with_an_image_equals_1(ckpt, llm):
+    """The SigLIP tower and the projector under TP=2 (worker processes, gloo): logprobs equal TP=1's. A
+    first version reshaped the sharded QKV output with the full head count and crashed the engine."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    images = [image(30)]
+    llm.reset_prefix_cache()
+    ref = generate(llm, prompt_for(1), images, params).outputs[0]
+    tp = LLM(ckpt, dtype="float32", block_size=4, tensor_parallel_size=2)
+    try:
+        out = generate(tp, prompt_for(1), images, params).outputs[0]
+    finally:
+        tp.llm_engine.shutdown()
+    assert list(out.token_ids) == list(ref.token_ids)
+    for step, token in enumerate(ref.token_ids):
+        assert abs(out.logprobs[step][token].logprob - ref.logprobs[step][token].logprob) < 1e-4
