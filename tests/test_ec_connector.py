@@ -146,7 +146,9 @@ def test_damaged_files_are_encoded_on_the_consumer(plain, consumer, produced, fo
     garbage.write_bytes(b"\0" * 64)  # unreadable
     from safetensors.torch import save_file
 
-    save_file({"ec_cache": torch.zeros(3, 8)}, str(short))  # readable, wrong shape
+    # readable, the right 4 rows but the width of another checkpoint (a rebuilt model at the same path keeps
+    # its image hashes): a first version checked only the rows and the merge then killed the engine
+    save_file({"ec_cache": torch.zeros(4, 8)}, str(short))
     expected = tokens(plain, [request(4, 5)])
     before = runner(consumer).num_encoder_runs
     with caplog.at_level(logging.WARNING):
