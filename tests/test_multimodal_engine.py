@@ -235,3 +235,13 @@ def test_tensor_parallel_2_with_an_image_equals_1(ckpt, llm):
     assert list(out.token_ids) == list(ref.token_ids)
     for step, token in enumerate(ref.token_ids):
         assert abs(out.logprobs[step][token].logprob - ref.logprobs[step][token].logprob) < 1e-4
+
+
+def test_chat_image_errors_name_the_part(ckpt, llm):
+    text_llm = LLM(make_tiny_checkpoint("llama", os.path.join(os.path.dirname(ckpt), "llama-chat")), dtype="float32")
+    with pytest.raises(ValueError, match="does not take images"):
+        text_llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(1)}]}], GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].image_pil: expected a PIL.Image.Image"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": "cat.png"}]}], GREEDY)
+    with pytest.raises(ValueError, match="unsupported content part type 'image'"):
+        llm.chat([{"role": "user", "content": [{"type": "image", "image": image(1)}]}], GREEDY)
