@@ -124,6 +124,7 @@ def assert_gathered_equal_checkpoint(gathered: list[dict], path: str) -> None:
 def test_tensor_parallel_2_equals_1_and_weights_gather_back(llama, monkeypatch):
     path, expected = llama
     monkeypatch.setenv("MINIVLLM_CPU_ONEDNN_GEMM", "0")  # the workers keep their plain weights to gather
+    monkeypatch.setenv("MINIVLLM_CPU_GEMM", "0")
     llm = LLM(path, tensor_parallel_size=2, **KW)
     try:
         executor = executor_of(llm)
@@ -155,6 +156,7 @@ def test_pipeline_parallel_2_equals_1(llama):
 def test_tp2_x_pp2_equals_1_then_a_killed_worker_fails_fast(qwen3, monkeypatch):
     path, expected = qwen3
     monkeypatch.setenv("MINIVLLM_CPU_ONEDNN_GEMM", "0")
+    monkeypatch.setenv("MINIVLLM_CPU_GEMM", "0")
     llm = LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, **KW)
     executor = executor_of(llm)
     pids = [w.proc.pid for w in executor.workers]

@@ -119,7 +119,7 @@ def process_weights_after_loading(
     model: nn.Module, model_config: Any = None, target_device: Any = None
 ) -> None:
     """Let every submodule that defines `process_weights_after_loading()` finish its weights, once, after the
-    checkpoint is in (on the CPU, linear layers and the LM head switch to prepacked oneDNN weights).
+    checkpoint is in (on the CPU, linears and the LM head switch to prepacked cpu_gemm or oneDNN weights).
     Source: vLLM v0.15 model_executor/model_loader/utils.py `process_weights_after_loading`."""
     for module in model.modules():
         hook = getattr(module, "process_weights_after_loading", None)

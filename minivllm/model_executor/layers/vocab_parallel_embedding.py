@@ -118,7 +118,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self
 
     def process_weights_after_loading(self) -> None:
-        """On the CPU, also keep a oneDNN-prepacked copy for the logits matmul (`unquantized_gemm(lm_head,
+        """On the CPU, also keep a prepacked copy (cpu_gemm or oneDNN) for the logits (`unquantized_gemm(head,
         ...)`); the plain weight stays, since a tied head shares it with the embedding. Source: vLLM v0.15
         vocab_parallel_embedding.py `UnquantizedEmbeddingMethod.process_weights_after_loading`."""
         if self.weight.device.type == "cpu":
