@@ -192,8 +192,9 @@ def test_fake_piecewise_replay_equals_eager(tmp_path_factory, monkeypatch, mode,
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 11, 6)]
     max_tokens = [5, 3, 6]
-    # custom_ops none: the recording stand-in sees aten ops only, not the CPU-only C kernels of the custom ops
-    # (on CUDA, forward_cuda is the torch code, so this is what a real capture records)
+    # custom_ops none and MINIVLLM_CPU_GEMM=0: the recording stand-in sees aten ops only, not the CPU-only C kernels
+    # of the custom ops and linears (on CUDA, forward_cuda is the torch code, so this is what a real capture records)
+    monkeypatch.setenv("MINIVLLM_CPU_GEMM", "0")
     kw = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
               compilation_config={"custom_ops": ["none"]})
     eager_llm = LLM(tiny, **kw)
