@@ -50,8 +50,8 @@ def best_ms(run, ws, xs, reps: int, packed=None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128, 512])
-    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128, 512, 2048])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
@@ -66,7 +66,7 @@ def main() -> None:
         try:
             onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
         except RuntimeError:
-            onednn = None
+            onednn = None  # oneDNN packs bfloat16 only with AVX512-BF16 / AVX-NE-CONVERT: its column is nan
         panels = [pack_weight(w) for w in ws] if load_cpu_gemm_lib() is not None else None
         print(f"\n{name}: {nbytes / 1e6:.0f} MB of weights; use_cpu_gemm -> {use_cpu_gemm(dtype)}")
         head = f"{'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'cpu_gemm ms':>12} {'GB/s':>6}"
