@@ -1,0 +1,124 @@
+"""CPU graphs in the engine (chapter 46b): decode steps replayed from recorded C kernel launches.
+
+On the CPU the default `cudagraph_mode` is FULL_DECODE_ONLY and the runner captures a `CPUGraph` per decode
+batch size (up to 32). A replay re-issues the launches against the runner's persistent buffers, so any
+step input that does not live there (a fresh tensor, a Python decision taken from the data) would make the
+replayed step differ from the eager one. These tests run mixed-length prompts with different `max_tokens`
+(decode batches shrink from 5 to 1 and are padded up to 8, 4, 2, 1), compare the tokens with eager runs and
+with transformers, and check which setups fall back to eager.
+"""
+import logging
+import random
+
+import pytest
+import torch
+import transformers
+
+from kernels.cpu_attention import cpu_attention_available
+from minivllm.compilation.cpu_graph import CPUGraph
+from minivllm.compilation_config import CUDAGraphMode
+from minivllm.entrypoints.llm import LLM
+from minivllm.sampling_params import SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU graphs are the CPU's; CUDA has CUDA graphs"),
+    pytest.mark.skipif(not cpu_attention_available(), reason="needs the C kernels (a C compiler)"),
+]
+
+_CKPTS = {}
+
+
+def checkpoint(arch, tmp_path_factory):
+    if arch not in _CKPTS:
+        _CKPTS[arch] = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
+    return _CKPTS[arch]
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+
+
+def greedy(llm, prompts, max_tokens):
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_greedy(path, prompts, max_tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p, m in zip(prompts, max_tokens):
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, do_sample=False,
+                                 pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def replays(llm):
+    return sum(e.cudagraphs[0].num_replays for e in runner_of(llm).cudagraphs.values())
+
+
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+# gemma3: sliding-window layers next to full ones (two KV cache groups, two slot mappings to pad) and
+# logit soft-capping; qwen3: q/k norms inside attention.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_cpu_graph_replay_equals_eager_and_transformers(arch, tmp_path_factory, monkeypatch):
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    path = checkpoint(arch, tmp_path_factory)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 6, 40, 9)]
+    max_tokens = [9, 3, 14, 6, 11]
+    llm = LLM(path, **ENGINE)
+    runner = runner_of(llm)
+    assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    keys = set(runner.cudagraphs)
+    assert {k.num_tokens for k in keys} == {1, 2, 4, 8} and all(k.uniform_decode for k in keys)
+    assert all(isinstance(e.cudagraphs[0], CPUGraph) and e.cudagraphs[0].num_launches > 0
+               for e in runner.cudagraphs.values())
+    before = replays(llm)
+    graphs = greedy(llm, prompts, max_tokens)
+    assert replays(llm) - before >= 10  # every decode step: 5 requests padded to 8, then 4, 2, 1
+    eager = greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, max_tokens)
+    assert graphs == eager
+    if arch != "gemma3":  # gemma3 is compared with transformers in tests/test_gemma3.py
+        assert graphs == hf_greedy(path, prompts, max_tokens)
+    # stale padding from the larger steps must not leak into later, smaller ones: other prompts, same engine
+    more = [[rng.randrange(3, 500) for _ in range(n)] for n in (12, 2, 30)]
+    assert greedy(llm, more, [7, 7, 3]) == greedy(LLM(path, enforce_eager=True, **ENGINE), more, [7, 7, 3])
+
+
+def test_cpu_graphs_fall_back_to_eager(tmp_path_factory, monkeypatch, caplog):
+    path = checkpoint("llama", tmp_path_factory)
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    assert runner_of(LLM(path, enforce_eager=True, **ENGINE)).cudagraphs == {}
+    with caplog.at_level(logging.INFO):
+        llm = LLM(path, compilation_config={"cudagraph_mode": "PIECEWISE"}, **ENGINE)
+    assert runner_of(llm).cudagraphs == {} and "no PIECEWISE" in caplog.text
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")  # its metadata is not replayable
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        llm = LLM(path, **ENGINE)
+    assert runner_of(llm).cudagraphs == {} and "an attention backend cannot be captured" in caplog.text
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 11)]
+    monkeypatch.delenv("MINIVLLM_ATTENTION_BACKEND")
+    assert greedy(llm, prompts, [6, 4]) == greedy(LLM(path, **ENGINE), prompts, [6, 4])
+
+
+def test_cpu_graph_sizes_follow_the_config(tmp_path_factory, monkeypatch):
+    path = checkpoint("llama", tmp_path_factory)
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    cc = {"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 3]}
+    llm = LLM(path, compilation_config=cc, **ENGINE)
+    assert {k.num_tokens for k in runner_of(llm).cudagraphs} == {1, 3}  # lowered to FULL_DECODE_ONLY
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    before = replays(llm)
+    out = greedy(llm, prompts, [4, 4, 4])
+    assert replays(llm) > before
+    assert out == greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, [4, 4, 4])
