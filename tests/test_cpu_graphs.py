@@ -122,3 +122,24 @@ def test_cpu_graph_sizes_follow_the_config(tmp_path_factory, monkeypatch):
     out = greedy(llm, prompts, [4, 4, 4])
     assert replays(llm) > before
     assert out == greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, [4, 4, 4])
+
+
+# bfloat16 brings torch ops that copy inside the graph: GemmaRMSNorm's .float() / .to(dtype), and with
+# custom_ops "none" the PyTorch RMSNorm and RoPE (whose .to(query.dtype) carries this step's cos/sin). Under
+# inference mode they reach the recorder undecomposed with a "may alias" schema; a replay that took them for
+# views would reuse the capture-time copies (all-zero tokens, RoPE of position 0).
+@pytest.mark.parametrize("arch,custom_ops", [("gemma3", []), ("llama", ["none"])])
+def test_cpu_graphs_in_bfloat16_equal_eager(arch, custom_ops, tmp_path_factory, monkeypatch):
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    path = checkpoint(arch, tmp_path_factory)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 13, 7)]
+    max_tokens = [10, 6, 8]
+    kw = dict(ENGINE, dtype="bfloat16", compilation_config={"custom_ops": custom_ops})
+    llm = LLM(path, **kw)
+    assert runner_of(llm).cudagraphs
+    before = replays(llm)
+    graphs = greedy(llm, prompts, max_tokens)
+    assert replays(llm) > before
+    cc = {"custom_ops": custom_ops, "cudagraph_mode": "NONE"}
+    assert graphs == greedy(LLM(path, **dict(kw, compilation_config=cc)), prompts, max_tokens)
