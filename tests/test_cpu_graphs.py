@@ -143,3 +143,63 @@ def test_cpu_graphs_in_bfloat16_equal_eager(arch, custom_ops, tmp_path_factory, 
     assert replays(llm) > before
     cc = {"custom_ops": custom_ops, "cudagraph_mode": "NONE"}
     assert graphs == greedy(LLM(path, **dict(kw, compilation_config=cc)), prompts, max_tokens)
+
+
+def _opaque_weight(w):
+    "oneDNN's packed copy of w; `to_mkldnn()` where this CPU's reorder happens to return a dense tensor."
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    return packed if packed.is_mkldnn else w.to_mkldnn()
+
+
+# The oneDNN linears (the default on AVX-512 CPUs) multiply by an opaque mkldnn tensor, which has no storage;
+# the recorder asked every tensor for one and killed start-up ("Cannot access storage of OpaqueTensorImpl").
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_cpu_graph_records_onednn_linear_on_opaque_weights():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    packed = _opaque_weight(w)
+    assert packed.is_mkldnn
+    x = torch.zeros(3, 16)  # persistent input
+    graph = CPUGraph()
+    with torch.inference_mode():
+        graph.capture_begin()
+        try:
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "").relu()
+        finally:
+            graph.capture_end()
+        assert graph.num_torch_ops == 2  # the oneDNN linear and the relu, both re-run at replay
+        for _ in range(2):
+            x.copy_(torch.randn(3, 16, generator=g))
+            graph.replay()
+            torch.testing.assert_close(y, torch.relu(x @ w.T + b), rtol=1e-5, atol=1e-5)
+    assert graph.num_replays == 2
+
+
+# Any exception while capturing, not only the recorder's own refusal, must leave start-up working: one warning
+# naming the cause, no graphs, no recorder left active on this thread, the same tokens as eager.
+def test_capture_failure_falls_back_to_eager(tmp_path_factory, monkeypatch, caplog):
+    from kernels import cpu_build
+    from minivllm.compilation import cpu_graph
+
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    path = checkpoint("llama", tmp_path_factory)
+    real_dispatch = cpu_graph._TorchOpRecorder.__torch_dispatch__
+    seen = []
+
+    def failing_dispatch(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        if len(seen) == 5:  # in the middle of the first captured pass
+            raise KeyError("injected capture failure")
+        return real_dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(cpu_graph._TorchOpRecorder, "__torch_dispatch__", failing_dispatch)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(path, **ENGINE)
+    assert len(seen) == 5 and runner_of(llm).cudagraphs == {}
+    warnings = [r for r in caplog.records if "no CPU graphs" in r.getMessage()]
+    assert len(warnings) == 1 and "KeyError: 'injected capture failure'" in warnings[0].getMessage()
+    assert torch._C._len_torch_dispatch_stack() == 0 and cpu_build._LAUNCH_RECORDERS.stack == []
+    monkeypatch.setattr(cpu_graph._TorchOpRecorder, "__torch_dispatch__", real_dispatch)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 15)]
+    assert greedy(llm, prompts, [7, 5]) == greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, [7, 5])

@@ -1,0 +1,193 @@
+"""Every CPU GEMM path, on whatever CPU runs the tests: graphs on == graphs off == transformers.
+
+Which kernel multiplies a CPU linear depends on the CPU (kernels chapter 04, chapter 30b): the C GEMM
+(`cpu_gemm`, AVX2 + FMA), oneDNN's packed weights (`onednn`, the default on AVX-512 CPUs; opaque mkldnn
+tensors, which once killed CPU-graph capture), or plain `F.linear`. `MINIVLLM_CPU_GEMM=1` forces the C GEMM,
+`MINIVLLM_CPU_GEMM=0` leaves oneDNN, adding `MINIVLLM_CPU_ONEDNN_GEMM=0` leaves `F.linear`, so each path runs
+here whatever the CPU would pick by default; a path this CPU cannot execute is skipped with the reason. The
+`auto` policy itself is checked through `MINIVLLM_CPU_FLAGS`, which hides flags (never adds them) to make
+this CPU look like another class.
+
+float32 runs are compared with transformers token for token. bfloat16 rounds differently in each GEMM (and
+in transformers), so there a path's graphs are compared with the same path run eagerly.
+"""
+import random
+
+import pytest
+import torch
+import transformers
+
+from kernels.cpu_attention import cpu_attention_available
+from kernels.cpu_build import cpu_flags
+from kernels.cpu_gemm import load_cpu_gemm_lib
+from minivllm.compilation_config import CUDAGraphMode
+from minivllm.config import cpu_has_native_bf16, resolve_auto_dtype_for_cpu
+from minivllm.entrypoints.llm import LLM
+from minivllm.model_executor.layers.linear import _onednn_bf16_supported
+from minivllm.sampling_params import SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's GEMM paths; CUDA runs cuBLAS"),
+    pytest.mark.skipif(not cpu_attention_available(), reason="needs the C kernels (a C compiler)"),
+]
+
+PATHS = {  # path -> (env, the cpu_linear_kind every linear must report)
+    "cpu_gemm": ({"MINIVLLM_CPU_GEMM": "1"}, "cpu_gemm"),
+    "onednn": ({"MINIVLLM_CPU_GEMM": "0"}, "onednn"),
+    "F.linear": ({"MINIVLLM_CPU_GEMM": "0", "MINIVLLM_CPU_ONEDNN_GEMM": "0"}, None),
+}
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def cannot_run(path: str, dtype: str) -> str | None:
+    "Why this CPU cannot execute `path` in `dtype`, or None."
+    if path == "cpu_gemm" and not {"avx2", "fma"} <= cpu_flags():
+        return "the C GEMM needs AVX2 and FMA, which this CPU lacks"
+    if path == "cpu_gemm" and load_cpu_gemm_lib() is None:
+        return "the C GEMM could not be built here"
+    if path == "onednn" and not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN"
+    if path == "onednn" and dtype == "bfloat16" and not _onednn_bf16_supported():
+        return "oneDNN bfloat16 needs AVX-512 or AVX-NE-CONVERT, which this CPU lacks"
+    return None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+
+
+def linear_kinds(llm) -> set:
+    "cpu_linear_kind of every linear of the model (the LM head included)."
+    return {
+        getattr(m, "cpu_linear_kind", None)
+        for m in runner_of(llm).model.modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "cpu_linear")
+    }
+
+
+def replays(llm) -> int:
+    return sum(e.cudagraphs[0].num_replays for e in runner_of(llm).cudagraphs.values())
+
+
+def greedy(llm, prompts, max_tokens):
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_greedy(path, prompts, max_tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p, m in zip(prompts, max_tokens):
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, do_sample=False,
+                                 pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def set_path(monkeypatch, path):
+    for var in ("MINIVLLM_CPU_GEMM", "MINIVLLM_CPU_ONEDNN_GEMM", "MINIVLLM_CPU_FLAGS", "MINIVLLM_CUDAGRAPH_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    env, kind = PATHS[path]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return kind
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_gemm_path_graphs_equal_eager_and_transformers(path, dtype, tiny, monkeypatch):
+    reason = cannot_run(path, dtype)
+    if reason:
+        pytest.skip(reason)
+    kind = set_path(monkeypatch, path)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 21, 8)]
+    max_tokens = [10, 5, 8]
+    llm = LLM(tiny, dtype=dtype, **ENGINE)
+    assert linear_kinds(llm) == {kind}
+    assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert runner_of(llm).cudagraphs, "CPU graphs were captured"
+    before = replays(llm)
+    graphs = greedy(llm, prompts, max_tokens)
+    assert replays(llm) - before >= 7  # every decode step replays (3 requests padded to 4, then 2, 1)
+    eager_llm = LLM(tiny, dtype=dtype, enforce_eager=True, **ENGINE)
+    assert linear_kinds(eager_llm) == {kind} and not runner_of(eager_llm).cudagraphs
+    assert graphs == greedy(eager_llm, prompts, max_tokens)
+    if dtype == "float32":
+        assert graphs == hf_greedy(tiny, prompts, max_tokens)
+
+
+# What `auto` picks on each CPU class, reproduced here by hiding flags: an AVX2 laptop (C GEMM in both
+# dtypes, dtype=auto falls back to float32), an AVX-512 server without native bfloat16 (oneDNN float32,
+# C GEMM bfloat16), this CPU as it is.
+VIEWS = {
+    "avx2": ("avx2,fma,f16c", {"float32": "cpu_gemm", "bfloat16": "cpu_gemm"}),
+    "avx512": ("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq", {"float32": "onednn", "bfloat16": "cpu_gemm"}),
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_auto_policy_per_cpu_class(view, tiny, monkeypatch):
+    flags, expected = VIEWS[view]
+    needed = set(flags.split(",")) - {"f16c"}
+    if not needed <= cpu_flags() or load_cpu_gemm_lib() is None:
+        pytest.skip(f"this CPU lacks {sorted(needed - cpu_flags())} (a {view} CPU cannot be shown on it)")
+    set_path(monkeypatch, "onednn")
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM")
+    monkeypatch.setenv("MINIVLLM_CPU_FLAGS", flags)
+    assert not cpu_has_native_bf16()
+    prompts, max_tokens = [[5, 9, 13, 2], [40, 41]], [6, 6]
+    for dtype, kind in expected.items():
+        llm = LLM(tiny, dtype=dtype, **ENGINE)
+        assert linear_kinds(llm) == {kind}, dtype
+        before = replays(llm)
+        out = greedy(llm, prompts, max_tokens)
+        assert replays(llm) > before
+        assert out == greedy(LLM(tiny, dtype=dtype, enforce_eager=True, **ENGINE), prompts, max_tokens)
+    assert resolve_auto_dtype_for_cpu(torch.bfloat16) == torch.float32  # dtype=auto: no native bfloat16
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bfloat16 (AVX512-BF16 / AMX)")
+def test_auto_dtype_keeps_bfloat16_on_native_cpus(monkeypatch):
+    monkeypatch.delenv("MINIVLLM_CPU_FLAGS", raising=False)
+    assert resolve_auto_dtype_for_cpu(torch.bfloat16) == torch.bfloat16
+    monkeypatch.setenv("MINIVLLM_CPU_FLAGS", "avx2,fma")  # the same CPU seen as an AVX2 one
+    assert resolve_auto_dtype_for_cpu(torch.bfloat16) == torch.float32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from minivllm.transformers_utils.embedded import get_default_model_path
+    return get_default_model_path()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_embedded_model_each_gemm_path_with_graphs_equals_transformers(path, smollm2, monkeypatch):
+    reason = cannot_run(path, "float32")
+    if reason:
+        pytest.skip(reason)
+    kind = set_path(monkeypatch, path)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                return_dict=True)["input_ids"]
+        for q in ("What is the capital of France?", "Name three colours.")
+    ]
+    llm = LLM(smollm2, dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256)
+    assert linear_kinds(llm) == {kind}
+    before = replays(llm)
+    ours = greedy(llm, prompts, [12, 12])
+    assert replays(llm) - before >= 11
+    del llm
+    assert ours == hf_greedy(smollm2, prompts, [12, 12]), [tok.decode(o) for o in ours]
