@@ -15,8 +15,8 @@ workers), sampled every 50 ms. "agree" = the share of sequences whose tokens equ
 Threads: every engine gets the same --threads (default: the CPUs this process may use). transformers and
 minivllm take OMP_NUM_THREADS. vLLM's CPU worker does not: it sets its worker's OMP_NUM_THREADS and OpenMP
 affinity (GOMP_CPU_AFFINITY, as it preloads torch's libgomp) itself from VLLM_CPU_OMP_THREADS_BIND, whose
-default "auto" also keeps back one core per worker
-for its engine process (VLLM_CPU_NUM_OF_RESERVED_CPU), so on 2 cores it computes on 1 thread. The script
+default "auto" also keeps back one core per worker for its engine process (VLLM_CPU_NUM_OF_RESERVED_CPU),
+so on 2 cores it computes on 1 thread. The script
 binds vLLM's worker to the first --threads allowed CPUs (VLLM_CPU_OMP_THREADS_BIND=0-1 on 2 cores, nothing
 reserved), prints vLLM's own binding log, and reads each engine's torch thread count and CPU affinity from
 inside the process that runs its model (transformers: its process; minivllm: its engine-core process;
