@@ -21,11 +21,12 @@ from minivllm.compilation_config import (
 )  # re-exported: vLLM has them in vllm.config
 
 # %% auto #0
-__all__ = ['DTYPE_CHOICES', 'logger', 'MAX_BLOCK_SIZE', 'MULTIMODAL_ARCHITECTURES', 'MM_PREFIX_LM_ARCHITECTURES', 'KV_ROLES',
-           'EC_ROLES', 'resolve_dtype', 'cpu_has_native_bf16', 'resolve_auto_dtype_for_cpu', 'verify_seed',
-           'verify_block_size', 'MultiModalConfig', 'ModelConfig', 'CacheConfig', 'SchedulerConfig', 'ParallelConfig',
-           'DeviceConfig', 'KVTransferConfig', 'config_from_json', 'ECTransferConfig', 'KVEventsConfig',
-           'ObservabilityConfig', 'VllmConfig', 'set_current_vllm_config', 'get_current_vllm_config']
+__all__ = ['DTYPE_CHOICES', 'logger', 'MAX_BLOCK_SIZE', 'MULTIMODAL_ARCHITECTURES', 'MM_PREFIX_LM_ARCHITECTURES',
+           'DEFAULT_MM_LIMIT_PER_PROMPT', 'KV_ROLES', 'EC_ROLES', 'resolve_dtype', 'cpu_has_native_bf16',
+           'resolve_auto_dtype_for_cpu', 'verify_seed', 'verify_block_size', 'MultiModalConfig', 'ModelConfig',
+           'CacheConfig', 'SchedulerConfig', 'ParallelConfig', 'DeviceConfig', 'KVTransferConfig', 'config_from_json',
+           'ECTransferConfig', 'KVEventsConfig', 'ObservabilityConfig', 'VllmConfig', 'set_current_vllm_config',
+           'get_current_vllm_config']
 
 # %% ../nbs/01_config.ipynb #0e71b085
 _STR_DTYPE = {
@@ -109,13 +110,15 @@ def verify_block_size(block_size: Any) -> None:
 # %% ../nbs/01_config.ipynb #d185a0d5
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}
 MM_PREFIX_LM_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}  # bidirectional attention inside an image
+DEFAULT_MM_LIMIT_PER_PROMPT = 999  # vLLM's default for a modality --limit-mm-per-prompt does not name
 
 
 @dataclass
 class MultiModalConfig:
     """Multimodal limits and processor settings. `limit_per_prompt`: modality -> most items per prompt (a
-    modality not listed is unlimited); `mm_processor_cache_gb` (<= 0 disables the processor caches) and
-    `mm_processor_cache_type` ("lru" | "processor_only"); `mm_processor_kwargs`: passed to the HF processor;
+    modality not listed gets `DEFAULT_MM_LIMIT_PER_PROMPT`, 999, as in vLLM: see `get_limit_per_prompt`);
+    `mm_processor_cache_gb` (<= 0 disables the processor caches) and `mm_processor_cache_type` ("lru" |
+    "processor_only"); `mm_processor_kwargs`: passed to the HF processor;
     `allowed_local_media_path`: the folder `file://` image URLs may read from (None: refused).
     Raises ValueError naming the field. Source: vLLM v0.15 config/multimodal.py `MultiModalConfig`."""
 
@@ -135,6 +138,11 @@ class MultiModalConfig:
             )
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be a JSON object; got {self.mm_processor_kwargs!r}")
+
+    def get_limit_per_prompt(self, modality: str) -> int:
+        """The most `modality` items one prompt may carry: the user's limit, else 999.
+        Source: vLLM v0.15 config/multimodal.py `MultiModalConfig.get_limit_per_prompt`."""
+        return self.limit_per_prompt.get(modality, DEFAULT_MM_LIMIT_PER_PROMPT)
 
 # %% ../nbs/01_config.ipynb #55656370
 @dataclass

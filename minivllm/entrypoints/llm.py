@@ -208,9 +208,13 @@ def chat(
             )
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template=...")
-        mm_config = self.llm_engine.vllm_config.model_config.multimodal_config
-        conv, images = extract_chat_images(
-            conv, mm_config.allowed_local_media_path if mm_config else None, allow_pil=True
+        model_config = self.llm_engine.vllm_config.model_config
+        mm_config = model_config.multimodal_config
+        conv, images = extract_chat_images(  # image parts counted against the per-prompt limit first
+            conv,
+            mm_config.allowed_local_media_path if mm_config else None,
+            allow_pil=True,
+            model_config=model_config if mm_config else None,
         )
         if images and mm_config is None:  # before the template: a text model's template cannot render them
             arch = self.llm_engine.vllm_config.model_config.architecture

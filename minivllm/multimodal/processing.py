@@ -17,8 +17,8 @@ from .hasher import MultiModalHasher
 from .inputs import MediaWithBytes, PlaceholderRange
 
 # %% auto #0
-__all__ = ['MULTIMODAL_PROCESSORS', 'get_max_tokens_per_mm_item', 'MultiModalInputs', 'Gemma3MultiModalProcessor',
-           'create_mm_processor']
+__all__ = ['MULTIMODAL_PROCESSORS', 'get_max_tokens_per_mm_item', 'get_allowed_mm_limits', 'check_mm_count', 'MultiModalInputs',
+           'Gemma3MultiModalProcessor', 'create_mm_processor']
 
 # %% ../../nbs/25e_mm_processing.ipynb #abe71c52
 def _processor_settings(model_config) -> dict:
@@ -44,6 +44,38 @@ def get_max_tokens_per_mm_item(model_config) -> dict[str, int]:
     crops = settings.get("pan_and_scan_max_num_crops", 4) if settings.get("do_pan_and_scan") else 0
     return {"image": per_image * (1 + crops)}
 
+# %% ../../nbs/25e_mm_processing.ipynb #66dd4fa4
+def get_allowed_mm_limits(model_config) -> dict[str, int]:
+    """modality -> the most items one prompt may carry ({"image": n}; {} for a text model): the user's
+    `--limit-mm-per-prompt` or 999, capped at the images that fit in `max_model_len`.
+    Source: vLLM v0.15 multimodal/processing.py `BaseProcessingInfo.get_allowed_mm_limits`."""
+    if not model_config.is_multimodal_model:
+        return {}
+    user = model_config.multimodal_config.get_limit_per_prompt("image")
+    return {"image": min(user, model_config.max_model_len // _min_tokens_per_image(model_config))}
+
+
+def _min_tokens_per_image(model_config) -> int:
+    "Prompt positions the smallest image takes: its soft tokens, `<start_of_image>` and `<end_of_image>`."
+    return model_config.hf_config.mm_tokens_per_image + 2
+
+
+def check_mm_count(model_config, modality: str, count: int, field: str) -> None:
+    """Raise ValueError naming `field` when `count` `modality` items exceed `get_allowed_mm_limits`; the
+    message says which bound applies (the flag, vLLM's default, or `max_model_len`)."""
+    limit = get_allowed_mm_limits(model_config).get(modality, 0)
+    if count <= limit:
+        return
+    mm_config = model_config.multimodal_config
+    per = _min_tokens_per_image(model_config) if mm_config is not None else 0
+    if mm_config is not None and limit < mm_config.get_limit_per_prompt(modality):
+        why = f"each takes at least {per} of max_model_len {model_config.max_model_len} tokens"
+    elif mm_config is not None and modality in mm_config.limit_per_prompt:
+        why = "--limit-mm-per-prompt"
+    else:
+        why = "the default; raise it with --limit-mm-per-prompt"
+    raise ValueError(f"{field}: {count} {modality}(s) in one prompt; at most {limit} are allowed ({why})")
+
 # %% ../../nbs/25e_mm_processing.ipynb #f103c206
 @dataclass
 class MultiModalInputs:
@@ -60,13 +92,13 @@ class MultiModalInputs:
     mm_placeholders: dict[str, list[PlaceholderRange]] = field(default_factory=dict)
     pending: list[tuple[str, Any]] = field(default_factory=list, repr=False)  # (hash, (tensors, meta) | None)
 
-# %% ../../nbs/25e_mm_processing.ipynb #33036477
+# %% ../../nbs/25e_mm_processing.ipynb #998fdaa8
 class Gemma3MultiModalProcessor:
     """Gemma 3's prompt expansion and image processing around transformers' `Gemma3Processor`.
 
     `apply(prompt, mm_data, tokenize, mm_uuids=None) -> MultiModalInputs`; `commit_cache(mm_inputs)`.
     Raises ValueError (naming the field) for a marker count that differs from the image count, an image
-    that is not a `PIL.Image.Image` / `MediaWithBytes`, too many images (`limit_mm_per_prompt`), or a prompt
+    that is not a `PIL.Image.Image` / `MediaWithBytes`, too many images (`check_mm_count`), or a prompt
     that carries image tokens of its own. Source: vLLM v0.15 gemma3_mm.py `Gemma3MultiModalProcessor`."""
 
     modality = "image"
@@ -88,7 +120,6 @@ class Gemma3MultiModalProcessor:
         )
         mm_config = model_config.multimodal_config
         self.mm_processor_kwargs = dict((mm_config.mm_processor_kwargs or {}) if mm_config else {})
-        self.limit_per_prompt = dict(mm_config.limit_per_prompt) if mm_config else {}
         self.num_hf_calls = 0
 
     def get_image_repl(self, num_crops: int) -> str:
@@ -147,7 +178,7 @@ def _process_item(
     tensors = self._call_hf_processor(_as_image(item, field).convert("RGB"))
     return tensors, {"num_patches": int(tensors["num_patches"])}, False
 
-# %% ../../nbs/25e_mm_processing.ipynb #e120302a
+# %% ../../nbs/25e_mm_processing.ipynb #f28084f4
 @patch
 def apply(
     self: Gemma3MultiModalProcessor,
@@ -162,12 +193,7 @@ def apply(
         raise ValueError(f"multi_modal_data: only 'image' is supported; got {sorted(unknown)}")
     images = mm_data.get("image") or []
     images = list(images) if isinstance(images, (list, tuple)) else [images]
-    limit = self.limit_per_prompt.get("image")
-    if limit is not None and len(images) > limit:
-        raise ValueError(
-            f"multi_modal_data: at most {limit} image(s) per prompt (--limit-mm-per-prompt); "
-            f"got {len(images)}"
-        )
+    check_mm_count(self.model_config, "image", len(images), "multi_modal_data")
     uuids = (mm_uuids or {}).get("image") or [None] * len(images)
     uuids = list(uuids) if isinstance(uuids, (list, tuple)) else [uuids]
     if len(uuids) != len(images):

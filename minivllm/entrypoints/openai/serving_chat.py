@@ -253,7 +253,9 @@ def _render_mm(self: OpenAIServingChat, request: Any) -> tuple[str, list[int], l
     images: list = []
     messages = request.messages
     if mm_config is not None:
-        messages, images = extract_chat_images(messages, mm_config.allowed_local_media_path)
+        messages, images = extract_chat_images(  # counted against the per-prompt limit before decoding
+            messages, mm_config.allowed_local_media_path, model_config=self.engine_client.model_config
+        )
     messages = parse_chat_messages(messages, keep_images=mm_config is not None)
     try:
         text = apply_chat_template(
