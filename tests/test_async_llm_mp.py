@@ -1,8 +1,9 @@
 """AsyncLLM over a real engine-core process (the default layout, as in vLLM): concurrent DELTA streams equal the
 offline `LLM`'s greedy tokens, a stop string finished in the front end is aborted in the engine, a cancelled consumer
 frees its request and KV blocks in the engine, a killed engine process fails a waiting generate() with
-EngineDeadError, `minivllm serve` answers through the process split, and a script without a `__main__` guard
-gets a clear error. Tiny random-weight Qwen2; a few tokens per request."""
+EngineDeadError, and `minivllm serve` answers through the process split. (Scripts without a `__main__` guard: fine
+under fork, the Linux default, and refused with a clear error under spawn: tests/test_mp_method.py.) Tiny
+random-weight Qwen2; a few tokens per request."""
 import asyncio
 import json
 import os
@@ -202,11 +203,3 @@ def test_minivllm_serve_answers_through_the_process_split(ckpt, offline):
     while any(Path(f"/proc/{pid}").exists() for pid in engines) and time.monotonic() < deadline: time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in engines), "engine process outlived the server"
 
-
-def test_script_without_main_guard_gets_a_clear_error(ckpt, tmp_path):
-    script = tmp_path / "no_guard.py"
-    script.write_text(f"from minivllm.entrypoints.llm import LLM\nllm = LLM({ckpt!r}, dtype='float32', max_model_len=64)\nprint('built')\n")
-    r = subprocess.run([sys.executable, str(script)], env=_env_default(), capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "built" not in r.stdout
-    assert "initialization failed" in r.stderr and 'if __name__ == "__main__":' in r.stderr
-    assert "re-imports your script" in r.stderr

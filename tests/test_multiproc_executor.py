@@ -101,8 +101,8 @@ def test_engine_process_plus_worker_process_matches_in_process(ckpt, expected, m
     client = llm.llm_engine.engine_core
     try:
         assert type(client).__name__ == "SyncMPClient" and client.proc.is_alive()
-        workers = [c for c in children(client.proc.pid) if "spawn_main" in c[1]]
-        assert len(workers) == 1, children(client.proc.pid)   # the engine-core process started one worker process
+        workers = [c for c in children(client.proc.pid) if "resource_tracker" not in c[1]]
+        assert len(workers) == 1, children(client.proc.pid)   # the engine-core process started one worker process (forked or spawned)
         assert len(shm_segments() - before) == 2               # rpc_broadcast_mq + the worker's response queue
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected
@@ -195,7 +195,7 @@ def test_worker_exits_when_the_engine_process_is_killed(ckpt, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = LLM(ckpt, distributed_executor_backend="mp", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20)
     client = llm.llm_engine.engine_core
-    (worker_pid, _), = [c for c in children(client.proc.pid) if "spawn_main" in c[1]]
+    (worker_pid, _), = [c for c in children(client.proc.pid) if "resource_tracker" not in c[1]]
     try:
         os.kill(client.proc.pid, signal.SIGKILL)   # no shutdown code runs in the engine process
         deadline = time.monotonic() + 30

@@ -353,8 +353,8 @@ def _serve_in_subprocess(tmp_path, env_extra: dict | None = None):
         try: fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError: continue
         if int(fields[1]) == proc.pid: children.append(int(stat.parent.name))
-    # the engine is the spawned child (`spawn_main`), not multiprocessing's resource tracker
-    engine = [pid for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    # the engine is the child that is not multiprocessing's resource tracker (forked: the server's command line)
+    engine = [pid for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
     assert engine, "no engine process found"
     return proc, port, tmpdir, engine[0]
 

@@ -302,17 +302,20 @@ READY = b"READY"
 
 # %% ../../../nbs/24_engine_core.ipynb #c663be06
 def _exit_with_parent(ipc_addresses: tuple[str, ...] = ()) -> None:
-    """In a spawned engine process: stop when the process that started it dies, however it died (SIGKILL,
-    an unhandled SIGTERM): a daemon thread waits on the parent's sentinel, removes the front end's IPC socket
-    files (`ipc://` paths in `ipc_addresses`: a killed front end cannot), then SIGTERMs this process so the
-    normal shutdown runs (its workers follow through their own death pipes); a hard exit if that hangs.
+    """In an engine process (forked or spawned): stop when the process that started it dies, however it died
+    (SIGKILL, an unhandled SIGTERM): a daemon thread waits on the parent's sentinel, or until this process is
+    re-parented (checked every second), removes the front end's IPC socket files (`ipc://` paths in
+    `ipc_addresses`: a killed front end cannot), then SIGTERMs this process so the normal shutdown runs (its
+    workers follow through their own death pipes); a hard exit if that hangs.
     Source: the role of vLLM v0.15's parent-death handling in v1/engine/core.py."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
 
     def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
+        while not multiprocessing.connection.wait([parent.sentinel], timeout=1.0):
+            if os.getppid() != parent.pid:
+                break
         logger.warning("EngineCore: the front-end process is gone; shutting down")
         for address in ipc_addresses:
             if address.startswith("ipc://"):

@@ -25,6 +25,7 @@ import zmq.asyncio
 from fastcore.basics import patch
 
 from ...config import VllmConfig
+from ...utils.system_utils import get_mp_context
 from ..core.kv_cache_metrics import KVCacheEvictionEvent
 from . import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from .core import ENGINE_CORE_DEAD, READY, EngineCoreProc, make_zmq_socket
@@ -42,14 +43,6 @@ __all__ = ['logger', 'get_open_zmq_ipc_path', 'BackgroundResources', 'MPClient',
 def get_open_zmq_ipc_path() -> str:
     "A fresh `ipc://` endpoint in the temp folder."
     return f"ipc://{tempfile.gettempdir()}/minivllm-{uuid.uuid4().hex[:12]}"
-
-
-def _mp_context() -> multiprocessing.context.BaseContext:
-    """spawn unless MINIVLLM_WORKER_MULTIPROC_METHOD says otherwise. A forked child inherits locks held by the
-    parent's threads (OpenMP pool, tokenizers, logging) and can deadlock before it runs a line, so the fresh
-    interpreter is worth its start-up second. As with vLLM, scripts must guard their entry point with
-    `if __name__ == "__main__":`."""
-    return multiprocessing.get_context(os.environ.get("MINIVLLM_WORKER_MULTIPROC_METHOD", "spawn"))
 
 
 def _fix_scheduler_stats(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
@@ -74,9 +67,11 @@ def _fix_scheduler_stats(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
 
 # %% ../../../nbs/29e_core_client_mp.ipynb #b49dbf48
 _MAIN_GUARD_HINT = (
-    "minivllm starts the engine core in a spawned process, which first re-imports your script as "
-    '__mp_main__. Put the code that builds the LLM / AsyncLLM under `if __name__ == "__main__":`, '
-    "or set MINIVLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this process."
+    "This applies when minivllm spawns the engine core process (MINIVLLM_WORKER_MULTIPROC_METHOD=spawn or "
+    "forkserver, a platform without fork, or fork unsafe in this process: see the log): a spawned process "
+    "first re-imports your script as __mp_main__. Put the code that builds the LLM / AsyncLLM under `if "
+    '__name__ == "__main__":`, or set MINIVLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this '
+    "process. With fork (the default on Linux) no guard is needed."
 )
 
 
@@ -172,6 +167,10 @@ class MPClient(EngineCoreClient):
         log_stats: bool,
         startup_timeout: float = 600.0,
     ):
+        # refuse (guard-less script under spawn, invalid start method) before any socket or file exists
+        _check_not_bootstrapping()
+        mp_ctx = get_mp_context()
+        self._start_method = mp_ctx.get_start_method()  # the guard hint only concerns spawn and forkserver
         self.vllm_config = vllm_config
         self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
         sync_ctx = zmq.Context()
@@ -187,8 +186,6 @@ class MPClient(EngineCoreClient):
         self._sync_input = make_zmq_socket(sync_ctx, self.input_address, zmq.ROUTER, bind=True)
         self.resources.sockets.append(self._sync_input)
         self.engine_identity = (0).to_bytes(2, "little")
-        _check_not_bootstrapping()
-        mp_ctx = _mp_context()
         # the child sends its start-up exception here, so it can be re-raised with its own type and message
         self._startup_errors, error_conn = mp_ctx.Pipe(duplex=False)
         proc = mp_ctx.Process(
@@ -254,10 +251,16 @@ def _wait_for_engine_startup(self: MPClient, timeout: float) -> None:
                     if cls is RuntimeError
                     else err[1]
                 )
+            hint = (
+                ""
+                if self._start_method == "fork"
+                else ' (A script without an `if __name__ == "__main__":` guard fails this way: '
+                + _MAIN_GUARD_HINT
+                + ")"
+            )
             raise RuntimeError(
                 f"Engine core initialization failed (exit code {self.proc.exitcode}). "
-                'See the root cause above. (A script without an `if __name__ == "__main__":` '
-                "guard fails this way: " + _MAIN_GUARD_HINT + ")"
+                "See the root cause above." + hint
             )
     self.shutdown()
     raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")

@@ -28,6 +28,7 @@ from fastcore.basics import patch
 
 from ...config import VllmConfig
 from ...distributed.device_communicators.shm_broadcast import Handle, MessageQueue
+from ...utils.system_utils import get_mp_context
 from ..core.sched.output import SchedulerOutput
 from .abstract import Executor, run_method
 from ..outputs import ModelRunnerOutput
@@ -42,12 +43,6 @@ __all__ = ['logger', 'MQ_MAX_CHUNK_BYTES', 'EXECUTE_MODEL_TIMEOUT_S', 'WORKER_ST
 MQ_MAX_CHUNK_BYTES = int(float(os.environ.get("MINIVLLM_MQ_MAX_CHUNK_BYTES_MB", "4")) * 1024 * 1024)
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("MINIVLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300"))
 WORKER_STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_WORKER_STARTUP_TIMEOUT_SECONDS", "600"))
-
-
-def _mp_context() -> multiprocessing.context.BaseContext:
-    """spawn unless MINIVLLM_WORKER_MULTIPROC_METHOD says otherwise (a forked child can inherit held locks;
-    see core_client_mp)."""
-    return multiprocessing.get_context(os.environ.get("MINIVLLM_WORKER_MULTIPROC_METHOD", "spawn"))
 
 
 def get_open_port() -> int:
@@ -166,8 +161,11 @@ def worker_main(
     input_shm_handle: Handle,
     ready_pipe: Connection,
     death_pipe: Connection,
+    death_writer: Connection | None = None,
 ) -> None:
-    "Entry point of a worker process. Source: vLLM v0.15 `WorkerProc.worker_main`."
+    """Entry point of a worker process. `death_writer`: this process' copy of the death pipe's write end (a
+    forked child inherits it, a spawned one is handed a duplicate), closed at once so that only the executor's
+    copy keeps the pipe open. Source: vLLM v0.15 `WorkerProc.worker_main`."""
 
     def _term(signum, frame):
         raise SystemExit(0)
@@ -175,11 +173,18 @@ def worker_main(
     signal.signal(signal.SIGTERM, _term)
     # Ctrl-C goes to the whole group; the executor decides when we stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if death_writer is not None:
+        death_writer.close()
     shutdown_event = threading.Event()
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None else os.getppid()
 
     def monitor_parent():
+        # EOF once every copy of the write end is closed. A process the executor's process forks later also
+        # inherits a copy, so being re-parented (the executor's process is gone) is checked too, every second.
         try:
-            death_pipe.recv()
+            while not death_pipe.poll(1.0) and os.getppid() == parent_pid:
+                pass
         except (EOFError, OSError):
             pass
         shutdown_event.set()
@@ -238,8 +243,8 @@ def make_worker_process(
     distributed_init_method: str,
     input_shm_handle: Handle,
 ) -> UnreadyWorkerProcHandle:
-    "Start `worker_main` for `rank` in a new (spawned, daemon) process."
-    ctx = _mp_context()
+    "Start `worker_main` for `rank` in a new daemon process, with the start method of `get_mp_context()`."
+    ctx = get_mp_context()
     ready_reader, ready_writer = ctx.Pipe(duplex=False)
     death_reader, death_writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
@@ -254,11 +259,12 @@ def make_worker_process(
             input_shm_handle=input_shm_handle,
             ready_pipe=ready_writer,
             death_pipe=death_reader,
+            death_writer=death_writer,
         ),
     )
     proc.start()
     ready_writer.close()
-    death_reader.close()  # the child holds the only other ends: its death closes them
+    death_reader.close()  # the child closes its copy of death_writer: the executor's is the last one
     return UnreadyWorkerProcHandle(proc, rank, ready_reader, death_writer)
 
 # %% ../../../nbs/45c_multiproc_executor.ipynb #4151dd7a
