@@ -355,6 +355,8 @@ def _serve_in_subprocess(tmp_path, env_extra: dict | None = None):
         if int(fields[1]) == proc.pid: children.append(int(stat.parent.name))
     # the engine is the child that is not multiprocessing's resource tracker (forked: the server's command line)
     engine = [pid for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    if not engine:  # a failing test must not leave its server running (its engine follows its parent)
+        proc.kill(); proc.wait(30)
     assert engine, "no engine process found"
     return proc, port, tmpdir, engine[0]
 
