@@ -2,6 +2,7 @@
 after the other in one run: decode tok/s, start-up time, peak RSS of the whole process tree, greedy agreement.
 
     python benchmarks/compare_engines.py [--model PATH] [--dtype float32 bfloat16] [--repeat 3]
+                                         [--minivllm-variant eager:MINIVLLM_CUDAGRAPH_MODE=NONE ...]
                                          [--vllm-python /path/to/vllm-venv/bin/python] [--threads 2]
                                          [--max-tokens 128] [--skip-hf]
 
@@ -265,7 +266,9 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | None:
+def launch(
+    python: str, engine: str, args, dtype: str, work: dict, extra_env: dict | None = None
+) -> dict | None:
     spec = json.dumps(
         {
             "engine": engine,
@@ -286,6 +289,7 @@ def launch(python: str, engine: str, args, dtype: str, work: dict) -> dict | Non
         **vllm_bind_env(args),
         # lets collective_rpc carry `threads_here` (a callable) to vLLM's worker; model traffic is unchanged
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        **(extra_env or {}),
     }
     # vLLM's CPU worker otherwise sizes its KV cache from the free memory (22 GiB of a 24 GiB machine seen)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -353,6 +357,14 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="a python whose environment has vLLM (CPU backend)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
+        "--minivllm-variant",
+        action="append",
+        default=[],
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="another minivllm row run with these variables, e.g. eager:MINIVLLM_CUDAGRAPH_MODE=NONE or "
+        "cpu_gemm:MINIVLLM_CPU_GEMM=1 (repeatable; 'agree' stays against the default minivllm row)",
+    )
+    ap.add_argument(
         "--vllm-bind",
         choices=["threads", "auto"],
         default="threads",
@@ -381,9 +393,16 @@ def main() -> None:
 
         args.model = str(resolve_model(None))
     work = workloads(args.model)
-    engines = [("minivllm", sys.executable)] + ([] if args.skip_hf else [("transformers", sys.executable)])
+    # (row label, engine, python, extra environment)
+    engines = [("minivllm", "minivllm", sys.executable, {})]
+    for spec in args.minivllm_variant:
+        label, _, assigns = spec.partition(":")
+        extra = dict(a.split("=", 1) for a in assigns.split(",") if a)
+        engines.append((f"minivllm[{label}]", "minivllm", sys.executable, extra))
+    if not args.skip_hf:
+        engines.append(("transformers", "transformers", sys.executable, {}))
     if args.vllm_python:
-        engines.append(("vllm", args.vllm_python))
+        engines.append(("vllm", "vllm", args.vllm_python, {}))
     model, flags = cpu_info()
     print(
         f"CPU: {model}; flags: {flags}; {os.cpu_count()} cores; {args.threads} threads for every engine "
@@ -391,11 +410,13 @@ def main() -> None:
         f"{args.max_tokens} new tokens, greedy, EOS ignored, median of {args.repeat}"
     )
     for dtype in args.dtype:
-        results = {name: launch(py, name, args, dtype, work) for name, py in engines}
+        results = {label: launch(py, eng, args, dtype, work, extra) for label, eng, py, extra in engines}
         ref = results.get("minivllm")
         print(f"\n{dtype}")
+        for label, _, _, extra in engines[1 : 1 + len(args.minivllm_variant)]:
+            print(f"  {label}: {' '.join(f'{k}={v}' for k, v in extra.items())}")
         print(
-            f"{'engine':<13} {'threads':>7} {'start-up s':>10} {'peak RSS GiB':>12} "
+            f"{'engine':<18} {'threads':>7} {'start-up s':>10} {'peak RSS GiB':>12} "
             + " ".join(f"{w + ' tok/s':>18} {'agree':>6}" for w in work)
         )
         for name, r in results.items():
@@ -411,14 +432,15 @@ def main() -> None:
                 )
                 cells.append(f"{mine['tok_s']:>18.1f} {f'{agree}/{len(work[w])}':>6}")
             n = r["threads"]["torch_threads"]
-            print(f"{name:<13} {n:>7} {r['startup_s']:>10.1f} {r['peak_rss_gib']:>12.2f} " + " ".join(cells))
+            print(f"{name:<18} {n:>7} {r['startup_s']:>10.1f} {r['peak_rss_gib']:>12.2f} " + " ".join(cells))
         done = {name: r for name, r in results.items() if r is not None}
         where = {"minivllm": "engine-core process", "vllm": "worker process", "transformers": "process"}
         for name, r in done.items():
             t = r["threads"]
             env = " ".join(f"{k}={v}" for k, v in t["env"].items())
-            in_process = name == "minivllm" and t["pid"] == r["pid"]
-            place = "process (in-process engine)" if in_process else where[name]
+            kind = name.split("[")[0]
+            in_process = kind == "minivllm" and t["pid"] == r["pid"]
+            place = "process (in-process engine)" if in_process else where[kind]
             print(
                 f"  {name} threads, read in its {place} (pid {t['pid']}): torch {t['torch_threads']}; CPUs "
                 f"{t['cpus']} (main thread {t['main_cpus']}; {t['os_threads']} OS threads); {env}"
