@@ -29,8 +29,9 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 # %% ../nbs/03_outputs.ipynb #018b28c7
 @dataclass
 class CompletionOutput:
-    """One sample of a request. `finish_reason` is "stop", "length", "abort" or None while running;
-    `stop_reason` is the stop string or token id that ended it (None for EOS / length).
+    """One sample of a request. `finish_reason` is "stop", "length", "abort", "error" or None while running;
+    `stop_reason` is the stop string or token id that ended it (None for EOS / length), or for "error" the
+    engine's message.
     Source: vLLM v0.15 outputs.py `CompletionOutput`."""
 
     index: int

@@ -188,3 +188,205 @@ def test_default_per_prompt_limit(vlm):
         model="tiny", messages=images_message(urls[:2]), max_completion_tokens=2
     )
     assert r.choices[0].finish_reason == "length"
+
+
+# ---- grammars: constraints xgrammar cannot enforce, dead ends, logprobs, whitespace ----
+
+CHAT = [{"role": "user", "content": "Answer in JSON."}]
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-untrusted"))
+
+
+@pytest.fixture(scope="module")
+def real(llama_ckpt):
+    pytest.importorskip("xgrammar")
+    from minivllm.engine.arg_utils import EngineArgs
+
+    srv = Server(
+        AsyncLLM.from_engine_args(
+            EngineArgs(model=llama_ckpt, max_model_len=512), enable_multiprocessing=False
+        )
+    )
+    yield srv
+    srv.stop()
+
+
+def _fine(srv):
+    assert (
+        srv.client.completions.create(model="tiny", prompt="still fine", max_tokens=2)
+        .choices[0]
+        .finish_reason
+    )
+
+
+def _schema_fmt(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+UNENFORCEABLE = [
+    ({"not": {}}, "#: `not` is ignored"),
+    (
+        {
+            "allOf": [
+                {"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "string"}}},
+            ]
+        },
+        "`allOf` with more than one schema",
+    ),
+    (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2},
+        "`uniqueItems` is ignored",
+    ),
+    (
+        {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}},
+        "#/properties/n: `multipleOf`",
+    ),
+    ({"type": "string", "pattern": "a$b"}, "a $ that is not at the end"),
+]
+
+
+@pytest.mark.parametrize("schema, why", UNENFORCEABLE)
+def test_constraints_xgrammar_cannot_enforce_are_400s(real, schema, why):
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.chat.completions.create(
+            model="tiny", messages=CHAT, max_completion_tokens=4, response_format=_schema_fmt(schema)
+        )
+    assert e.value.body["param"] == "response_format"
+    assert "xgrammar cannot enforce" in e.value.body["message"] and why in e.value.body["message"], (
+        e.value.body
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.completions.create(
+            model="tiny", prompt="x", max_tokens=4, extra_body={"structured_outputs": {"json": schema}}
+        )
+    assert e.value.body["param"] == "structured_outputs" and why in e.value.body["message"]
+    _fine(real)
+
+
+def test_regex_with_an_empty_language_is_refused_at_once(real):
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.completions.create(
+            model="tiny", prompt="x", max_tokens=200, extra_body={"structured_outputs": {"regex": r"[^\s\S]"}}
+        )
+    assert e.value.body["param"] == "structured_outputs"
+    assert "matches no output at all" in e.value.body["message"]
+    _fine(real)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_grammar_dead_end_ends_at_once_with_an_error(real, stream, logprobs):
+    "`a[^\\s\\S]`: an `a`, then nothing may follow. It used to run to max_tokens (and with logprobs: a 500)."
+    kw = dict(
+        model="tiny",
+        messages=CHAT,
+        max_completion_tokens=200,
+        stream=stream,
+        extra_body={"structured_outputs": {"regex": r"a[^\s\S]"}},
+    )
+    if logprobs:
+        kw.update(logprobs=True, top_logprobs=3)
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as e:
+            real.client.chat.completions.create(**kw)
+        body = e.value.body
+    else:
+        chunks = []
+        with pytest.raises(openai.APIError) as e:  # the error arrives in-band, as an SSE event
+            for c in real.client.chat.completions.create(**kw):
+                chunks.append(c)
+        body = e.value.body
+        assert (
+            sum(len(c.choices) and bool(c.choices[0].delta.content) for c in chunks) <= 1
+        )  # at most the `a`
+    assert body["param"] == "structured_outputs", body
+    assert "after 1 generated token(s) the constraint allows no next token" in body["message"], body
+    _fine(real)
+
+
+def test_dead_end_offline_is_finish_reason_error(llama_ckpt):
+    pytest.importorskip("xgrammar")
+    from minivllm import LLM, SamplingParams
+    from minivllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(llama_ckpt, max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=50, structured_outputs=StructuredOutputsParams(regex=r"ab[^\s\S]"))
+        out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.llm_engine.shutdown()
+    assert out.finish_reason == "error", out
+    assert len(out.token_ids) <= 2 and "allows no next token" in out.stop_reason, out
+
+
+def test_logprobs_of_masked_tokens_serialise_as_the_floor(real):
+    "The grammar allows 2-3 tokens; the other top logprobs are -inf in the engine and -9999.0 on the wire."
+    r = real.client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["ab", "cd"]}},
+    )
+    tops = [t.logprob for c in r.choices[0].logprobs.content for t in c.top_logprobs]
+    assert -9999.0 in tops and all(-9999.0 <= t <= 0.0 for t in tops), tops
+    r = real.client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=4,
+        logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["ab", "cd"]}},
+    )
+    assert -9999.0 in [v for step in r.choices[0].logprobs.top_logprobs for v in step.values()]
+
+
+def _whitespace_bias(srv) -> dict[str, float]:
+    "+100 on every whitespace-only token: where the grammar allows whitespace, the model emits it."
+    tok = srv.llm.tokenizer
+    ids = [i for i in range(len(tok)) if (t := tok.decode([i])) and not t.strip()]
+    assert ids
+    return {str(i): 100.0 for i in ids}
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        _schema_fmt({"type": "array", "items": {"type": "integer"}, "minItems": 3}),
+        {"type": "json_object"},
+    ],
+)
+def test_json_whitespace_is_bounded(real, fmt):
+    from minivllm.v1.structured_output.backend_xgrammar import MAX_JSON_WHITESPACE
+
+    r = real.client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_completion_tokens=60,
+        temperature=0,
+        response_format=fmt,
+        logit_bias=_whitespace_bias(real),
+    )
+    text = r.choices[0].message.content
+    outside_strings = re.sub(r'"(?:[^"\\]|\\.)*("|$)', '""', text)  # whitespace inside a string is content
+    runs = [len(m) for m in re.findall(r"\s+", outside_strings)]
+    assert runs and max(runs) <= MAX_JSON_WHITESPACE, (runs, text)
+    assert len(text.strip()) > 1, text  # something besides whitespace and the opening bracket
+    compact = real.client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_completion_tokens=30,
+        temperature=0,
+        logit_bias=_whitespace_bias(real),
+        extra_body={
+            "structured_outputs": {
+                "json": {"type": "array", "items": {"type": "integer"}},
+                "disable_any_whitespace": True,
+            }
+        },
+    )
+    assert max((len(m) for m in re.findall(r"\s+", compact.choices[0].message.content)), default=0) <= 1

@@ -5,6 +5,7 @@
 # %% ../../../nbs/53_openai_protocol.ipynb #a1c77f2a
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -17,14 +18,14 @@ from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutp
 from ...v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
 # %% auto #0
-__all__ = ['TokenizeRequest', 'PromptLogprobsField', 'OpenAIBaseModel', 'random_uuid', 'ErrorInfo', 'ErrorResponse', 'UsageInfo',
-           'StreamOptions', 'ModelCard', 'ModelList', 'CompletionRequest', 'ChatCompletionRequest',
-           'TokenizeCompletionRequest', 'TokenizeChatRequest', 'TokenizeResponse', 'DetokenizeRequest',
-           'DetokenizeResponse', 'clamp_prompt_logprobs', 'CompletionLogProbs', 'CompletionResponseChoice',
-           'CompletionResponse', 'CompletionResponseStreamChoice', 'CompletionStreamResponse', 'ChatCompletionLogProb',
-           'ChatCompletionLogProbsContent', 'ChatCompletionLogProbs', 'ChatMessage', 'ChatCompletionResponseChoice',
-           'ChatCompletionResponse', 'DeltaMessage', 'ChatCompletionResponseStreamChoice',
-           'ChatCompletionStreamResponse']
+__all__ = ['TokenizeRequest', 'PromptLogprobsField', 'LOGPROB_FLOOR', 'OpenAIBaseModel', 'random_uuid', 'ErrorInfo',
+           'ErrorResponse', 'UsageInfo', 'StreamOptions', 'ModelCard', 'ModelList', 'CompletionRequest',
+           'ChatCompletionRequest', 'TokenizeCompletionRequest', 'TokenizeChatRequest', 'TokenizeResponse',
+           'DetokenizeRequest', 'DetokenizeResponse', 'clamp_logprob', 'clamp_prompt_logprobs', 'CompletionLogProbs',
+           'CompletionResponseChoice', 'CompletionResponse', 'CompletionResponseStreamChoice',
+           'CompletionStreamResponse', 'ChatCompletionLogProb', 'ChatCompletionLogProbsContent',
+           'ChatCompletionLogProbs', 'ChatMessage', 'ChatCompletionResponseChoice', 'ChatCompletionResponse',
+           'DeltaMessage', 'ChatCompletionResponseStreamChoice', 'ChatCompletionStreamResponse']
 
 # %% ../../../nbs/53_openai_protocol.ipynb #6434ddb1
 class OpenAIBaseModel(BaseModel):
@@ -305,6 +306,13 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 # %% ../../../nbs/53_openai_protocol.ipynb #953325f3
 PromptLogprobsField = list[dict[int, Logprob] | None] | None
+LOGPROB_FLOOR = -9999.0
+
+
+def clamp_logprob(logprob: float) -> float:
+    """`logprob` as JSON can carry it: -inf, anything below -9999.0 and NaN become -9999.0 (JSON has no
+    infinity or NaN). Source: vLLM v0.15 entrypoints/openai (`max(logprob, -9999.0)`)."""
+    return logprob if math.isfinite(logprob) and logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def clamp_prompt_logprobs(prompt_logprobs: list | None) -> list | None:
@@ -315,7 +323,7 @@ def clamp_prompt_logprobs(prompt_logprobs: list | None) -> list | None:
     return [
         None
         if step is None
-        else {t: Logprob(max(lp.logprob, -9999.0), lp.rank, lp.decoded_token) for t, lp in step.items()}
+        else {t: Logprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token) for t, lp in step.items()}
         for step in prompt_logprobs
     ]
 

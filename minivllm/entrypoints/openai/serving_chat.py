@@ -14,6 +14,7 @@ from typing import Any
 from fastcore.basics import patch
 
 from minivllm.entrypoints.openai.protocol import (
+    LOGPROB_FLOOR,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
@@ -26,6 +27,7 @@ from minivllm.entrypoints.openai.protocol import (
     DeltaMessage,
     ErrorResponse,
     UsageInfo,
+    clamp_logprob,
     clamp_prompt_logprobs,
     random_uuid,
 )
@@ -329,7 +331,7 @@ def _create_chat_logprobs(
 ) -> ChatCompletionLogProbs:
     def entry(tid: int, lp: Any, cls: type = ChatCompletionLogProb, **extra) -> Any:
         text = self._decode_token(tid, lp)
-        logprob = max(lp.logprob, -9999.0) if lp is not None else -9999.0
+        logprob = clamp_logprob(lp.logprob) if lp is not None else LOGPROB_FLOOR
         return cls(token=text, logprob=logprob, bytes=token_bytes(self.tokenizer, tid, text), **extra)
 
     content = []
@@ -367,6 +369,7 @@ async def chat_completion_full_generator(
     final = None
     try:
         async for _, res in merge_async_iterators(gen):
+            self._raise_if_error(res, request)
             final = res
     except (ValueError, OverflowError) as e:
         return self._error_from_value_error(e)
@@ -450,6 +453,7 @@ async def chat_completion_stream_generator(
         for choice in _opening_choices(request.n, self._get_role(request), self._echo_content(request)):
             yield chunk([choice])
         async for _, res in merge_async_iterators(gen):
+            self._raise_if_error(res, request)
             num_prompt_tokens = len(res.prompt_token_ids or []) or num_prompt_tokens
             for out in res.outputs:
                 if not (out.text or out.token_ids or out.finish_reason):

@@ -21,6 +21,7 @@ from minivllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     ErrorResponse,
     UsageInfo,
+    clamp_logprob,
     clamp_prompt_logprobs,
     random_uuid,
 )
@@ -179,6 +180,7 @@ async def completion_full_generator(
     finals: list[RequestOutput | None] = [None] * len(gens)
     try:
         async for i, res in merge_async_iterators(*gens):
+            self._raise_if_error(res, request)
             finals[i] = res
     except (ValueError, OverflowError) as e:
         return self._error_from_value_error(e)
@@ -233,12 +235,12 @@ def _create_completion_logprobs(
         step = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else None
         token = self._decode_token(tid, step.get(tid) if step else None)
         res.tokens.append(token)
-        res.token_logprobs.append(max(step[tid].logprob, -9999.0) if step and tid in step else None)
+        res.token_logprobs.append(clamp_logprob(step[tid].logprob) if step and tid in step else None)
         res.top_logprobs.append(
             None
             if step is None
             else {
-                self._decode_token(t, lp): max(lp.logprob, -9999.0)
+                self._decode_token(t, lp): clamp_logprob(lp.logprob)
                 for t, lp in step.items()
                 if t == tid or lp.rank is None or lp.rank <= num_logprobs
             }
@@ -322,6 +324,7 @@ async def completion_stream_generator(
     gen_counts: dict[int, int] = {}  # per choice: tokens generated so far
     try:
         async for i, res in merge_async_iterators(*gens):
+            self._raise_if_error(res, request)
             text_in, ids, params = inputs[i]
             if res.prompt_logprobs:
                 prompt_lps.setdefault(i, res.prompt_logprobs)

@@ -250,6 +250,22 @@ def _error_from_value_error(self: OpenAIServing, e: Exception) -> ErrorResponse:
 
 
 @patch
+def _raise_if_error(self: OpenAIServing, output: Any, request: Any) -> None:
+    """Raise `ValueError` (a 400 naming its field) when the engine ended a sample of `output` (a
+    `RequestOutput`) with `finish_reason="error"`; the sample's `stop_reason` is the engine's message (a
+    structured-output grammar with no next token: named as the field the client used).
+    Source: vLLM v0.15 entrypoints/openai/serving_engine.py `_raise_if_error` (a 500 there, where the
+    error is the server's, such as a failed KV load; here it is the request's)."""
+    for sample in output.outputs:
+        if sample.finish_reason == "error":
+            message = str(sample.stop_reason or "the engine could not continue the request")
+            prefix = "structured_outputs"
+            if getattr(request, "response_format", None) is not None and message.startswith(prefix):
+                message = "response_format" + message[len(prefix) :]
+            raise ValueError(message)
+
+
+@patch
 def _decode_token(self: OpenAIServing, token_id: int, logprob: Any = None) -> str:
     "The text of one token (the engine's detokenized piece when it provides one)."
     text = getattr(logprob, "decoded_token", None)

@@ -20,12 +20,14 @@ __all__ = ['FinishReason', 'EngineCoreEventType', 'EngineCoreEvent', 'EngineCore
 
 # %% ../../../nbs/04_engine.ipynb #05cf2919
 class FinishReason(enum.IntEnum):
-    """Why a request ended; an int on the wire, a string for the user ("stop", "length", "abort").
-    Source: vLLM v0.15 v1/engine/__init__.py `FinishReason`."""
+    """Why a request ended; an int on the wire, a string for the user ("stop", "length", "abort", "error").
+    ERROR: the engine could not continue the request (its `stop_reason` says why, e.g. a structured-output
+    grammar that allows no next token). Source: vLLM v0.15 v1/engine/__init__.py `FinishReason`."""
 
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3
 
     def __str__(self):
         return self.name.lower()

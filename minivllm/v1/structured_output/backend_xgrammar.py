@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -30,8 +31,9 @@ def _xgr():
     return xgrammar
 
 # %% auto #0
-__all__ = ['logger', 'MAX_CONSTRAINT_CHARS', 'choice_as_ebnf', 'structured_output_key', 'validate_xgrammar_grammar',
-           'XgrammarGrammar', 'XgrammarBackend']
+__all__ = ['logger', 'MAX_CONSTRAINT_CHARS', 'STRING_FORMATS', 'MAX_JSON_WHITESPACE', 'choice_as_ebnf', 'structured_output_key',
+           'get_xgrammar_unsupported_json_features', 'regex_anchor_problem', 'json_whitespace', 'matches_nothing',
+           'validate_xgrammar_grammar', 'XgrammarGrammar', 'XgrammarBackend']
 
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #4b4d0660
 def choice_as_ebnf(choices: list[str]) -> str:
@@ -41,7 +43,7 @@ def choice_as_ebnf(choices: list[str]) -> str:
 
 def structured_output_key(params: Any) -> tuple[StructuredOutputOptions, str, bool]:
     """(kind, spec string, any_whitespace) of a `StructuredOutputsParams` (any_whitespace matters for JSON
-    only: False = compact JSON, no free whitespace between tokens).
+    only: True = at most `MAX_JSON_WHITESPACE` characters of whitespace between two tokens, False = compact).
     Source: vLLM v0.15 v1/structured_output/request.py `get_structured_output_key`."""
     ws = not params.disable_any_whitespace
     if params.json is not None:
@@ -58,29 +60,226 @@ def structured_output_key(params: Any) -> tuple[StructuredOutputOptions, str, bo
 
 MAX_CONSTRAINT_CHARS = int(os.environ.get("MINIVLLM_MAX_STRUCTURED_OUTPUT_CHARS", str(64 * 1024)))
 
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #a5e078b9
+_ANNOTATIONS = {  # keywords that constrain nothing: allowed beside anything
+    "title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+    "$id", "$schema", "$anchor", "$defs", "definitions", "discriminator", "nullable", "$vocabulary",
+    "contentEncoding", "contentMediaType", "contentSchema",
+}  # fmt: skip
+_IGNORED = {
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef",
+    "$recursiveRef", "contains", "minContains", "maxContains",
+}  # fmt: skip
+_DROPS_SIBLINGS = ("allOf", "anyOf", "oneOf", "$ref", "enum", "const")
+STRING_FORMATS = {  # the formats xgrammar's JSON-schema converter turns into a grammar
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+}  # fmt: skip
+_ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
+               "unevaluatedProperties", "propertyNames", "contains", "not", "if", "then", "else")  # fmt: skip
+_SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
-def validate_xgrammar_grammar(params: Any) -> None:
-    """Check a constraint without a tokenizer (cheap, in the front end); `ValueError` naming
-    `structured_outputs` and the reason.
-    Source: vLLM v0.15 v1/structured_output/backend_xgrammar.py `validate_xgrammar_grammar`."""
-    xgr = _xgr()
-    kind, spec, _ = structured_output_key(params)
-    if len(spec) > MAX_CONSTRAINT_CHARS:  # compile time grows with the grammar: refuse before it can stall
-        raise ValueError(
-            f"structured_outputs.{params.kind}: the constraint has {len(spec)} characters; at most "
-            f"{MAX_CONSTRAINT_CHARS} (MINIVLLM_MAX_STRUCTURED_OUTPUT_CHARS)"
-        )
-    try:
-        if kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT):
-            xgr.Grammar.from_json_schema(spec, any_whitespace=not params.disable_any_whitespace)
-        elif kind == StructuredOutputOptions.REGEX:
-            xgr.Grammar.from_regex(spec)
-        else:
-            xgr.Grammar.from_ebnf(spec)
-    except Exception as e:  # xgrammar raises RuntimeError / its own error types
-        raise ValueError(f"structured_outputs.{params.kind}: cannot compile: {e}") from None
+
+def _subschemas(node: dict, path: str):
+    "(path, subschema) of every schema directly inside `node` (not `enum` / `const` / `default` values)."
+    for key in _ONE_SCHEMA:
+        if isinstance(node.get(key), dict):
+            yield f"{path}/{key}", node[key]
+    for key in _SCHEMA_LIST:
+        if isinstance(node.get(key), list):
+            yield from ((f"{path}/{key}/{i}", s) for i, s in enumerate(node[key]) if isinstance(s, dict))
+    for key in _SCHEMA_MAP:
+        if isinstance(node.get(key), dict):
+            yield from ((f"{path}/{key}/{k}", s) for k, s in node[key].items() if isinstance(s, dict))
+
+
+def _is_str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _types(node: dict) -> set[str]:
+    t = node.get("type")
+    return {t} if isinstance(t, str) else {*filter(_is_str, t)} if isinstance(t, list) else set()
+
+
+def _json_type(value: Any) -> set[str]:
+    "The JSON Schema types `value` has (an integral number is both integer and number)."
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"integer", "number"} if value.is_integer() else {"number"}
+    names = {str: "string", list: "array", dict: "object", type(None): "null"}
+    return {names.get(type(value), "?")}
 
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #81a0a37b
+def _node_problems(node: dict) -> list[str]:
+    "Why xgrammar would not enforce `node` itself (its subschemas are checked on their own)."
+    out = [f"`{k}` is ignored" for k in sorted(_IGNORED & node.keys())]
+    types, constraints = _types(node), set(node) - _ANNOTATIONS
+    if node.get("uniqueItems") is True:
+        out.append("`uniqueItems` is ignored")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        out.append("`allOf` with more than one schema is compiled to any JSON")
+    for key in (k for k in _DROPS_SIBLINGS if k in node):
+        others = constraints - {key}
+        if key in ("enum", "const") and others == {"type"}:  # a type every value has is redundant
+            values = node["enum"] if key == "enum" and isinstance(node["enum"], list) else [node[key]]
+            others = set() if all(_json_type(v) & types for v in values) else others
+        if others:
+            out.append(f"`{key}` beside {', '.join(f'`{k}`' for k in sorted(others))}: those are dropped")
+            break
+    if "multipleOf" in node and not (types == {"integer"} and isinstance(node["multipleOf"], int)):
+        out.append("`multipleOf` is enforced only on an integer by an integer")
+    fmt = node.get("format")
+    if "string" in types and isinstance(fmt, str) and fmt not in STRING_FORMATS:
+        known = ", ".join(sorted(STRING_FORMATS))
+        out.append(f"string format {fmt!r} is ignored (xgrammar knows {known})")
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        out.append("`minLength` / `maxLength` beside `pattern` / `format` are dropped")
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    missing = (
+        [k for k in node["required"] if k not in props] if isinstance(node.get("required"), list) else []
+    )
+    if missing:
+        out.append(f"`required` names {missing}, which `properties` does not define")
+    keyed = {"properties", "patternProperties"} & node.keys() or isinstance(
+        node.get("additionalProperties"), dict
+    )
+    if "propertyNames" in node and keyed:
+        out.append(
+            "`propertyNames` beside `properties`, `patternProperties` or an `additionalProperties` is ignored"
+        )
+    if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"):
+        out.append(f"the `$ref` {node['$ref']!r} is outside the document")
+    if isinstance(node.get("pattern"), str) and (why := regex_anchor_problem(node["pattern"])):
+        out.append(f"`pattern`: {why}")
+    return out
+
+
+def get_xgrammar_unsupported_json_features(schema: Any) -> list[str]:
+    """Where and why xgrammar would not enforce `schema` (a JSON Schema dict): one "#/path: reason" string per
+    problem, [] when it compiles faithfully. The walk is iterative (a deep schema cannot exhaust the stack).
+    Source: vLLM v0.15 v1/structured_output/backend_xgrammar.py `has_xgrammar_unsupported_json_features`."""
+    problems, stack = [], [("#", schema)] if isinstance(schema, dict) else []
+    while stack:
+        path, node = stack.pop()
+        problems += [f"{path}: {why}" for why in _node_problems(node)]
+        stack.extend(reversed(list(_subschemas(node, path))))
+    return problems
+
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #c4d96b00
+def regex_anchor_problem(regex: str) -> str | None:
+    """Why the anchors of `regex` would not be enforced by xgrammar, or None: a `^` with something before it
+    or a `$` with something after it (in any branch or group), or `\\A` / `\\Z`."""
+    try:
+        import re._parser as sre  # Python 3.11+
+    except ImportError:  # pragma: no cover (3.10)
+        import sre_parse as sre
+    try:
+        tree = sre.parse(regex)
+    except Exception:  # not Python syntax: xgrammar's compiler decides
+        return None
+    repeats = (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT))
+
+    def walk(items: list, at_start: bool, at_end: bool) -> str | None:
+        items = list(items)
+        for i, (op, av) in enumerate(items):
+            start = at_start and all(o == sre.AT for o, _ in items[:i])
+            end = at_end and all(o == sre.AT for o, _ in items[i + 1 :])
+            why = None
+            if op == sre.AT and av in (sre.AT_BEGINNING_STRING, sre.AT_END_STRING):
+                why = "\\A and \\Z are read as the letters A and Z (use ^ and $)"
+            elif op == sre.AT and av == sre.AT_BEGINNING and not start:
+                why = "a ^ that is not at the start is ignored"
+            elif op == sre.AT and av == sre.AT_END and not end:
+                why = "a $ that is not at the end is ignored"
+            elif op == sre.SUBPATTERN:
+                why = walk(av[-1], start, end)
+            elif op == sre.BRANCH:
+                why = next((w for alt in av[1] if (w := walk(alt, start, end))), None)
+            elif op in repeats:
+                why = walk(av[2], False, False)
+            if why:
+                return why
+        return None
+
+    return walk(tree, True, True)
+
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #97edb414
+MAX_JSON_WHITESPACE = int(os.environ.get("MINIVLLM_STRUCTURED_OUTPUT_MAX_WHITESPACE", "20"))
+
+
+def json_whitespace(any_whitespace: bool) -> dict:
+    """xgrammar's whitespace arguments for a JSON constraint: free whitespace, at most `MAX_JSON_WHITESPACE`
+    characters between two JSON tokens, or (False) compact JSON."""
+    return dict(
+        any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None
+    )
+
+
+@lru_cache(1)
+def _byte_compiler() -> Any:
+    "A compiler over the 256 single bytes plus an end token (id 256): any string can be spelled with it."
+    xgr = _xgr()
+    info = xgr.TokenizerInfo(
+        [bytes([b]) for b in range(256)] + [b"</s>"], xgr.VocabType.RAW, vocab_size=257, stop_token_ids=[256]
+    )
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def matches_nothing(grammar: Any) -> bool:
+    """Whether `grammar` (an `xgr.Grammar`) allows neither a first byte nor an immediate end: no string can
+    match it. False when unsure (a grammar the byte-level compile refuses is left to the engine)."""
+    xgr = _xgr()
+    try:
+        matcher = xgr.GrammarMatcher(_byte_compiler().compile_grammar(grammar))
+    except Exception:
+        return False
+    mask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(mask)
+    return not bool(mask.any())
+
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #49d3472a
+def validate_xgrammar_grammar(params: Any) -> None:
+    """Check a constraint without the model's tokenizer (cheap, in the front end). Raises `ValueError`
+    starting `structured_outputs.<kind>` when it is too long, cannot compile, uses what xgrammar would not
+    enforce (`get_xgrammar_unsupported_json_features`, `regex_anchor_problem`) or matches nothing at all
+    (`matches_nothing`).
+    Source: vLLM v0.15 v1/structured_output/backend_xgrammar.py `validate_xgrammar_grammar`."""
+    xgr = _xgr()
+    kind, spec, any_whitespace = structured_output_key(params)
+    field = f"structured_outputs.{params.kind}"
+    if len(spec) > MAX_CONSTRAINT_CHARS:  # compile time grows with the grammar: refuse before it can stall
+        raise ValueError(
+            f"{field}: the constraint has {len(spec)} characters; at most "
+            f"{MAX_CONSTRAINT_CHARS} (MINIVLLM_MAX_STRUCTURED_OUTPUT_CHARS)"
+        )
+    if kind == StructuredOutputOptions.JSON:
+        try:
+            problems = get_xgrammar_unsupported_json_features(json.loads(spec))
+        except ValueError as e:
+            raise ValueError(f"{field}: not valid JSON: {e}") from None
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ValueError(f"{field}: xgrammar cannot enforce this schema: {'; '.join(problems[:3])}{more}")
+    if kind == StructuredOutputOptions.REGEX and (why := regex_anchor_problem(spec)):
+        raise ValueError(f"{field}: xgrammar cannot enforce this regex: {why}")
+    try:
+        if kind in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT):
+            grammar = xgr.Grammar.from_json_schema(spec, **json_whitespace(any_whitespace))
+        elif kind == StructuredOutputOptions.REGEX:
+            grammar = xgr.Grammar.from_regex(spec)
+        else:
+            grammar = xgr.Grammar.from_ebnf(spec)
+    except Exception as e:  # xgrammar raises RuntimeError / its own error types
+        raise ValueError(f"{field}: cannot compile: {e}") from None
+    if matches_nothing(grammar):
+        raise ValueError(f"{field}: the constraint matches no output at all, so nothing could be generated")
+
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #fc320218
 class XgrammarGrammar(StructuredOutputGrammar):
     """A request's `xgr.GrammarMatcher`; `num_processed_tokens` counts accepted tokens.
     Source: vLLM v0.15 v1/structured_output/backend_xgrammar.py `XgrammarGrammar`."""
@@ -122,7 +321,7 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self.num_processed_tokens = 0
         self.matcher.reset()
 
-
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #ed0d1141
 class XgrammarBackend(StructuredOutputBackend):
     """Compiles constraints with xgrammar for `tokenizer` (a Hugging Face tokenizer) and `vocab_size` (the
     model's logits width); `stop_token_ids`: the model's EOS ids. `compile_grammar` raises `ValueError`.
@@ -147,7 +346,7 @@ class XgrammarBackend(StructuredOutputBackend):
         xgr = _xgr()
         try:
             if request_type in (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT):
-                ctx = self.compiler.compile_json_schema(grammar_spec, any_whitespace=any_whitespace)
+                ctx = self.compiler.compile_json_schema(grammar_spec, **json_whitespace(any_whitespace))
             elif request_type == StructuredOutputOptions.REGEX:
                 ctx = self.compiler.compile_regex(grammar_spec)
             else:

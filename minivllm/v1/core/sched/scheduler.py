@@ -104,6 +104,7 @@ class Scheduler:
         self.finished_recving_kv_req_ids: set[str] = set()  # KV connectors: remote KV loaded
         # finished inside schedule(), reported by the next update_from_output
         self._ignored_reqs: list[Request] = []
+        self._grammar_dead_ends: set[str] = set()  # their grammar allowed no token (get_grammar_bitmask)
         # KV cache events (chapter "KV cache events") and block residency metrics (chapter 17)
         self.kv_events_config = vllm_config.kv_events_config
         self.kv_event_publisher = EventPublisherFactory.create(self.kv_events_config)
@@ -555,13 +556,22 @@ def _is_grammar_ready(self: Scheduler, request: Request) -> bool:
         request.status = RequestStatus.WAITING
         return True
     if so_request.error is not None:
-        logger.error(
-            "request %s: its structured output cannot compile: %s", request.request_id, so_request.error
-        )
-        request.status = RequestStatus.FINISHED_ABORTED
-        self._ignored_reqs.append(request)  # reported with the next outputs
-        self._free_request(request)
+        message = f"structured_outputs: the constraint cannot compile: {so_request.error}"
+        self._finish_with_error(request, message)
     return False
+
+
+@patch
+def _finish_with_error(self: Scheduler, request: Request, message: str) -> None:
+    """End `request` as FINISHED_ERROR ("error") without a new token, `message` as its `stop_reason`; it is
+    reported with the next outputs. Source: vLLM v0.15 v1/request.py `RequestStatus.FINISHED_ERROR`."""
+    logger.warning("request %s: %s", request.request_id, message)
+    request.status = RequestStatus.FINISHED_ERROR
+    request.stop_reason = message
+    if request in self.running:
+        self.running.remove(request)
+    self._ignored_reqs.append(request)
+    self._free_request(request)
 
 
 @patch
@@ -736,7 +746,13 @@ def get_grammar_bitmask(self: Scheduler, scheduler_output: SchedulerOutput) -> G
         ):
             ids.append(rid)
     bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids)
-    return None if bitmask is None else GrammarOutput(ids, bitmask)
+    if bitmask is None:
+        return None
+    for rid, row in zip(ids, bitmask):
+        if not row.any():  # a dead end: nothing may come next
+            row[:] = -1  # all -inf logits would sample garbage with NaN logprobs; the token is dropped
+            self._grammar_dead_ends.add(rid)
+    return GrammarOutput(ids, bitmask)
 
 # %% ../../../../nbs/23_scheduler.ipynb #a13666a4
 @patch
@@ -760,6 +776,12 @@ def update_from_output(
         req_index = model_runner_output.req_id_to_index[rid]
         if request.has_encoder_inputs:
             self._free_encoder_inputs(request)
+        if rid in self._grammar_dead_ends:
+            self._grammar_dead_ends.discard(rid)
+            n = request.num_output_tokens
+            message = f"structured_outputs: after {n} generated token(s) the constraint allows no next token"
+            self._finish_with_error(request, message)
+            continue
         new_token_ids = list(sampled[req_index]) if sampled else []
         is_stopped = False
         if new_token_ids:
@@ -912,6 +934,7 @@ def _make_engine_core_outputs(
                 request_id=request.request_id,
                 new_token_ids=[],
                 finish_reason=request.get_finished_reason(),
+                stop_reason=request.stop_reason,
                 events=request.take_events(),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
