@@ -40,9 +40,11 @@ class RequestOutputKind(IntEnum):
 # %% ../nbs/02_sampling_params.ipynb #24ed6c06
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     """One output constraint: `json` (a JSON schema, dict or str), `json_object` (any JSON object), `regex`,
-    `choice` (a list of strings) or `grammar` (EBNF). `disable_any_whitespace` makes JSON compact;
-    `disable_additional_properties` forbids keys a schema does not list. Raises `ValueError` naming
-    `structured_outputs` unless exactly one constraint is set, or when one has the wrong type.
+    `choice` (a list of strings) or `grammar` (EBNF). `disable_any_whitespace` makes JSON compact (else at
+    most `MINIVLLM_STRUCTURED_OUTPUT_MAX_WHITESPACE`, default 20, whitespace characters between two JSON
+    tokens); `disable_additional_properties` forbids keys a schema does not list (xgrammar's strict mode
+    always does); `whitespace_pattern` (outlines') is refused by the xgrammar check. Raises `ValueError`
+    naming `structured_outputs` unless exactly one constraint is set, or when one has the wrong type.
     Source: vLLM v0.15 sampling_params.py `StructuredOutputsParams`."""
 
     json: str | dict | None = None

@@ -51,7 +51,9 @@ def add_multimodal_args(parser: argparse.ArgumentParser) -> None:
     `MULTIMODAL_FLAGS`). Source: vLLM v0.15 engine/arg_utils.py (MultiModalConfig flags)."""
     mm = parser.add_argument_group("multimodal (vision-language models)")
     mm.add_argument(
-        "--limit-mm-per-prompt", default=None, help="most items per prompt, JSON: '{\"image\": 2}'"
+        "--limit-mm-per-prompt",
+        default=None,
+        help="most items per prompt, JSON: '{\"image\": 2}' (default: 999, at most what max_model_len fits)",
     )
     mm.add_argument(
         "--mm-processor-kwargs", default=None, help="HF processor kwargs, JSON: '{\"do_pan_and_scan\": true}'"

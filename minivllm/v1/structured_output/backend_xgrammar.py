@@ -252,6 +252,10 @@ def validate_xgrammar_grammar(params: Any) -> None:
     xgr = _xgr()
     kind, spec, any_whitespace = structured_output_key(params)
     field = f"structured_outputs.{params.kind}"
+    if params.whitespace_pattern is not None:  # outlines' option: xgrammar has no such thing
+        raise ValueError(
+            "structured_outputs.whitespace_pattern: not supported by xgrammar (use disable_any_whitespace)"
+        )
     if len(spec) > MAX_CONSTRAINT_CHARS:  # compile time grows with the grammar: refuse before it can stall
         raise ValueError(
             f"{field}: the constraint has {len(spec)} characters; at most "
