@@ -5,16 +5,23 @@ Greedy outputs with the connector equal those without it, cold (saving) and warm
 a real Redis server (fresh engines sharing only that tier). A warm engine computes only what the store
 lacks (scheduled tokens are counted). Faults: Redis stopped between the lookup and the load, a corrupted
 disk file, a CPU tier too small for the working set; keys: two processes agree, another model, dtype or
-cache_salt never shares. Redis tests start a private `redis-server` on a free port of 127.0.0.1.
+cache_salt never shares. Untrusted tiers (issue 30): forged headers, a 12-byte value, another model's chunk
+and a Redis key of the wrong type are deleted misses; a full disk (simulated ENOSPC, and a real 1 MiB tmpfs
+where root may mount one) leaves no temporary file. Redis tests start a private `redis-server` on a free port.
 """
 
+import errno
+import json
+import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import KVTransferConfig
@@ -320,3 +327,156 @@ def test_other_model_dtype_or_salt_never_share(ckpt, reference, tmp_path, tmp_pa
         other_ref.shutdown()
     tokens, scheduled, _ = _run(other, _kvt(**kvt), prompts=PROMPTS[:1])
     assert tokens == ref_tokens and scheduled == full  # another model's chunks never match
+
+
+# ---- issue 30: a tier's bytes are untrusted; a full disk leaks nothing ----
+
+from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration import (  # noqa: E402
+    storage_backend as sb,
+)
+
+
+def _forge(header, payload: bytes = b"") -> bytes:
+    "A stored chunk's framing around any header (bytes or a JSON-able object) and payload."
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return sb._MAGIC + struct.pack("<I", len(head)) + head + payload
+
+
+def _poisons() -> list[bytes]:
+    """Three entries a chunk's checksum cannot catch: a `[]` header (12 bytes in all), a dtype of 'nn', and a
+    well-formed chunk of another model's layout (1 layer, head size 8)."""
+    good = sb.serialize_kv(torch.zeros(2, 2, CHUNK, 2, 16))
+    (n,) = struct.unpack("<I", good[6:10])
+    header, payload = json.loads(good[10 : 10 + n]), good[10 + n :]
+    other_model = sb.serialize_kv(torch.ones(1, 2, CHUNK, 2, 8))
+    return [_forge(b"[]"), _forge(dict(header, dtype="nn"), payload), other_model]
+
+
+def _is_valid_or_gone(blob: bytes | None) -> bool:
+    if blob is None:
+        return True
+    kv = sb.deserialize_kv(blob)
+    return tuple(kv.shape) == (2, 2, CHUNK, 2, 16)
+
+
+def test_poisoned_disk_entries_are_deleted_misses(ckpt, reference, tmp_path):
+    kvt = dict(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    _run(ckpt, _kvt(**kvt))
+    files = sorted(tmp_path.glob("*.kvchunk"))
+    assert len(files) == 3  # prompt 0's two chunks (prompt 1 shares them), prompt 2's one
+    for f, poison in zip(files, _poisons()):
+        f.write_bytes(poison)
+    assert len(_poisons()[0]) == 12
+    engine = Engine(ckpt, _kvt(**kvt))
+    try:
+        tokens, _ = engine.generate()
+        assert tokens == reference  # every request recomputed what it could not load
+        stats = engine.store.stats()
+        # the other model's chunk is read by the tier (a hit there) and refused by the connector
+        assert stats["errors"] == 3 and stats["hits"]["LocalDiskBackend"] == 1
+        assert engine.store.num_invalid == 1
+        assert all(_is_valid_or_gone(f.read_bytes() if f.exists() else None) for f in files)
+        assert engine.generate()[0] == reference  # and the engine keeps serving
+    finally:
+        engine.shutdown()
+    tokens, _, stats = _run(ckpt, _kvt(**kvt))  # a restart does not meet them again
+    assert tokens == reference and stats["errors"] == 0
+
+
+def test_poisoned_redis_values_are_deleted_misses(ckpt, reference, redis_server):
+    import redis
+
+    _run(ckpt, _kvt(remote_url=redis_server.url))
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        names = sorted(client.keys("lmcache:*"))
+        assert len(names) == 3
+        twelve, bad_dtype, _ = _poisons()
+        client.set(names[0], twelve)  # the 12-byte value of the issue
+        client.set(names[1], bad_dtype)
+        client.delete(names[2])
+        client.rpush(names[2], b"a list, not a string")  # WRONGTYPE on GET
+        tokens, _, stats = _run(ckpt, _kvt(remote_url=redis_server.url))
+        assert tokens == reference
+        assert stats["errors"] == 3 and stats["hits"]["RemoteBackend"] == 0
+        for name in names:
+            assert client.type(name) in (b"none", b"string") and _is_valid_or_gone(client.get(name))
+        tokens, _, stats = _run(ckpt, _kvt(remote_url=redis_server.url))
+        assert tokens == reference and stats["errors"] == 0
+    finally:
+        client.close()
+
+
+def _tmp_files(path) -> list:
+    return sorted(p.name for p in path.iterdir() if p.name.endswith(".tmp"))
+
+
+def _full_disk_run(ckpt, reference, path):
+    "An engine whose disk tier cannot write: same tokens, failed writes counted, no temporary left."
+    stale = path / "tmpcrashed.tmp"  # a crashed writer's, an hour old: the start-up rebuild sweeps it
+    stale.write_bytes(b"x" * 100)
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    engine = Engine(ckpt, _kvt(local_disk=str(path), max_local_disk_size=0.01))
+    try:
+        assert not stale.exists()
+        tokens, _ = engine.generate()
+        assert engine.store.flush()
+        stats = engine.store.stats()
+    finally:
+        engine.shutdown()
+    assert tokens == reference
+    assert stats["errors"] >= 1
+    assert _tmp_files(path) == []
+    return stats
+
+
+def test_full_disk_leaves_no_temporary_files(ckpt, reference, tmp_path, monkeypatch):
+    "ENOSPC after half a chunk reached the file, on every write into the tier's folder (any filesystem)."
+    real = os.fdopen
+
+    class HalfThenFull:
+        def __init__(self, fd, mode="r", *a, **kw):
+            self.f = real(fd, mode, *a, **kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, b):
+            self.f.write(b[: len(b) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fdopen(fd, *a, **kw):
+        in_tier = os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
+        return HalfThenFull(fd, *a, **kw) if in_tier else real(fd, *a, **kw)
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    stats = _full_disk_run(ckpt, reference, tmp_path)
+    assert stats["errors"] >= 3  # every write failed (shared chunks were tried again); none left a file
+    assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    "A 1 MiB tmpfs, nearly filled (root only; skipped where mount is not allowed)."
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    run = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if run.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.decode().strip()}")
+    try:
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        (mnt / "filler").write_bytes(b"\0" * (free - CHUNK_BYTES // 2))  # room for half a chunk
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_tmpfs_leaves_no_temporary_files(ckpt, reference, small_tmpfs):
+    _full_disk_run(ckpt, reference, small_tmpfs)
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
