@@ -5,6 +5,7 @@
 # %% ../../nbs/25e_mm_processing.ipynb #86fc3407
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,8 +150,15 @@ from fastcore.basics import patch
 
 
 def _as_image(item: Any, field: str):
-    from PIL import Image
+    "The Pillow image of `item`; a file-backed one (from `load_image_bytes`) decoded afresh from its bytes."
+    from PIL import Image, ImageFile
 
+    if isinstance(item, MediaWithBytes) and isinstance(item.media, ImageFile.ImageFile):
+        # a new image for this use only: its pixels are freed when processing ends, not with the request
+        try:
+            return Image.open(io.BytesIO(item.original_bytes))
+        except (OSError, SyntaxError, ValueError) as e:
+            raise ValueError(f"{field}: not a valid image ({type(e).__name__}: {e})") from None
     image = item.media if isinstance(item, MediaWithBytes) else item
     if not isinstance(image, Image.Image):
         raise ValueError(f"{field}: expected a PIL.Image.Image; got {type(item).__name__}")

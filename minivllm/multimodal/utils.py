@@ -39,7 +39,8 @@ def _not_an_image(field: str, e: Exception) -> ValueError:
 
 
 def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
-    """Decode image `data` (PNG, JPEG, ...) into an RGB `PIL.Image.Image` wrapped with its bytes.
+    """Check image `data` (PNG, JPEG, ...) and wrap it with its bytes: a `PIL.Image.Image` opened from them
+    whose pixels are decoded only when used (the processor converts it to RGB, one image at a time).
 
     Raises ValueError naming `field` when the bytes exceed `MINIVLLM_MAX_IMAGE_BYTES`, the header declares
     more than `MINIVLLM_MAX_IMAGE_PIXELS` pixels (checked before decoding), or the bytes are not an image
@@ -62,10 +63,11 @@ def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
     if width * height > _max_image_pixels():
         raise _too_many_pixels(field, f"{width} x {height} = {width * height} pixels")
     try:
-        image.load()
+        image.load()  # decoded once, to be sure it can be: a truncated file fails here, naming its field
     except (OSError, SyntaxError, ValueError) as e:
         raise _not_an_image(field, e) from None
-    return MediaWithBytes(image if image.mode == "RGB" else image.convert("RGB"), bytes(data))
+    # keep the header only: the processor decodes the pixels again when it needs them (none on a cache hit)
+    return MediaWithBytes(Image.open(io.BytesIO(data)), bytes(data))
 
 # %% ../../nbs/25f_mm_utils.ipynb #c96ebb32
 def fetch_image(
