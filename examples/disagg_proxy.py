@@ -9,16 +9,61 @@ ids, engine id, host and port) are added to the original request, which then goe
     minivllm serve MODEL --port 8200 --kv-transfer-config '{"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer"}'
     python examples/disagg_proxy.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
-Source: the role of vLLM's examples/online_serving/disaggregated_serving (toy proxy server).
+Errors keep the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`, whatever goes wrong behind
+the proxy: a backend that refuses the connection (or whose connection pool is exhausted) is a 503, one that
+drops the connection, answers garbage or times out is a 502, a backend's own error is passed on with its
+status (wrapped in that shape if it was not JSON), and a stream that breaks after it started ends with an
+`error` event. A body that is not a JSON object is a 400.
+
+Source: the role of vLLM's examples/online_serving/disaggregated_serving (toy proxy server); the error body of
+vLLM v0.15 entrypoints/openai/protocol.py `ErrorResponse`.
 """
+
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+from http import HTTPStatus
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger("disagg_proxy")
+
+
+def error_body(status: int, message: str) -> dict:
+    "OpenAI's error shape; `type` is the status phrase, as in `BadGatewayError`."
+    err_type = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+def backend_failure(role: str, url: str, e: httpx.HTTPError) -> JSONResponse:
+    "A transport failure talking to a backend: 503 if it could not be reached, else 502."
+    unreachable = isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+    status = 503 if unreachable else 502
+    logger.warning("%s server %s: %s: %s", role, url, type(e).__name__, e)
+    what = "is unavailable" if unreachable else "failed"
+    return error_response(status, f"the {role} server {what}: {type(e).__name__}: {e}")
+
+
+def passthrough(r: httpx.Response) -> Response:
+    "A backend's own answer, with its status; a non-JSON error body is wrapped in OpenAI's shape."
+    if r.status_code != 200:
+        try:
+            body = r.json()
+            if isinstance(body, dict) and "error" in body:
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        except ValueError:
+            pass
+        return error_response(r.status_code, f"backend error: {r.text[:500]}")
+    return Response(r.content, status_code=r.status_code, media_type="application/json")
 
 
 def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
@@ -29,32 +74,55 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
         p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
-        r = await client.post(prefill_url + path, json=p_body, headers=headers)
+        try:
+            r = await client.post(prefill_url + path, json=p_body, headers=headers)
+        except httpx.HTTPError as e:
+            return backend_failure("prefill", prefill_url, e)
         if r.status_code != 200:
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
-        return r.json()
+            return passthrough(r)
+        try:
+            answer = r.json()
+        except ValueError:
+            return error_response(502, "the prefill server's answer is not JSON")
+        if not isinstance(answer, dict):
+            return error_response(502, "the prefill server's answer is not an object")
+        return answer
+
+    async def _relay(upstream: httpx.Response):
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:  # the decode server went away mid-stream: end with an error event
+            logger.warning("decode server %s: %s: %s (mid-stream)", decode_url, type(e).__name__, e)
+            body = error_body(502, f"the decode server failed mid-stream: {type(e).__name__}: {e}")
+            yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()  # after any partial event
+        finally:
+            await upstream.aclose()
 
     async def _handle(path: str, request: Request):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         prefilled = await _prefill(path, body, headers)
         if isinstance(prefilled, Response):
             return prefilled
         d_body = dict(body, kv_transfer_params=prefilled.get("kv_transfer_params"))
-        if not body.get("stream"):
-            r = await client.post(decode_url + path, json=d_body, headers=headers)
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
-        req = client.build_request("POST", decode_url + path, json=d_body, headers=headers)
-        upstream = await client.send(req, stream=True)
-
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-
-        return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream")
+        try:
+            if not body.get("stream"):
+                return passthrough(await client.post(decode_url + path, json=d_body, headers=headers))
+            req = client.build_request("POST", decode_url + path, json=d_body, headers=headers)
+            upstream = await client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            return backend_failure("decode", decode_url, e)
+        if upstream.status_code != 200:
+            await upstream.aread()
+            await upstream.aclose()
+            return passthrough(upstream)
+        return StreamingResponse(_relay(upstream), status_code=200, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -66,13 +134,16 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
 
     @app.get("/v1/models")
     async def models():
-        r = await client.get(decode_url + "/v1/models")
-        return JSONResponse(r.json(), status_code=r.status_code)
+        try:
+            return passthrough(await client.get(decode_url + "/v1/models"))
+        except httpx.HTTPError as e:
+            return backend_failure("decode", decode_url, e)
 
     @app.get("/health")
     async def health():
         try:
-            ok = all([(await client.get(u + "/health")).status_code == 200 for u in (prefill_url, decode_url)])
+            codes = [(await client.get(u + "/health")).status_code for u in (prefill_url, decode_url)]
+            ok = all(c == 200 for c in codes)
         except httpx.HTTPError:  # a backend is down or still starting
             ok = False
         return Response(status_code=200 if ok else 503)

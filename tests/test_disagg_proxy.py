@@ -1,0 +1,187 @@
+"""The toy disaggregation proxy (examples/disagg_proxy.py) when a backend is dead, drops the connection,
+answers plain text or breaks a stream (issue 30, item 4): every answer keeps OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}`, 503 for a backend that cannot be reached, 502 for one that
+failed; a stream that breaks after it started ends with an `error` event. The backends are stand-ins on free
+ports of 127.0.0.1 (a socket nobody listens on, a socket that closes every connection, tiny HTTP servers), so
+no engine is needed; every server the tests start is stopped."""
+
+import importlib.util
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("disagg_proxy", REPO / "examples" / "disagg_proxy.py")
+disagg_proxy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(disagg_proxy)
+
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 4}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Dropper:
+    "Accepts every connection, reads the request, closes without a word (a producer killed mid-request)."
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.05)  # accept() wakes up to see `stop` (closing the socket would not wake it)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                except OSError:
+                    pass
+
+    def stop(self):
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+class _Backend:
+    """A tiny HTTP backend: POSTs answer `reply(path, body) -> (status, content_type, bytes)`, or, when
+    `break_stream` is set, send headers and one chunk of an event stream and then drop the connection."""
+
+    def __init__(self, reply=None, break_stream=False):
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if outer.break_stream:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    event = b'data: {"choices": [{"index": 0, "text": "he"}]}\n\n'
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.write(b"400\r\npartial")  # a chunk of 1024 bytes that never completes
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                status, ctype, content = outer.reply(self.path, body)
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+        self.reply, self.break_stream = reply, break_stream
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def _prefill_ok(path, body):
+    return 200, "application/json", json.dumps({"kv_transfer_params": {"do_remote_prefill": True}}).encode()
+
+
+def _plain_500(path, body):
+    return 500, "text/plain", b"Internal Server Error"
+
+
+@pytest.fixture
+def servers():
+    started = []
+
+    def start(kind, **kw):
+        server = _Dropper() if kind == "dropper" else _Backend(**kw)
+        started.append(server)
+        return server.url
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _proxy(prefill: str, decode: str) -> TestClient:
+    return TestClient(disagg_proxy.build_app(prefill, decode, timeout_s=10))
+
+
+def _assert_openai_error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", BODY), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_dead_producer_is_a_503_in_openai_shape(servers, path, body, stream):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with _proxy(dead, servers("backend", reply=_prefill_ok)) as client:
+        error = _assert_openai_error(client.post(path, json=dict(body, stream=stream)), 503)
+    assert "prefill server is unavailable" in error["message"] and error["type"] == "ServiceUnavailableError"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_dropped_connection_is_a_502(servers, stream):
+    "A producer that dies mid-request (httpx.RemoteProtocolError): it was a plain-text 500 before."
+    with _proxy(servers("dropper"), servers("backend", reply=_prefill_ok)) as client:
+        error = _assert_openai_error(client.post("/v1/completions", json=dict(BODY, stream=stream)), 502)
+        # closed before any answer: RemoteProtocolError, or ReadError when the close comes as a reset
+        assert any(e in error["message"] for e in ("RemoteProtocolError", "ReadError", "WriteError"))
+        assert error["type"] == "BadGatewayError"
+    with _proxy(servers("backend", reply=_prefill_ok), servers("dropper")) as client:  # the decode server
+        _assert_openai_error(client.post("/v1/completions", json=dict(BODY, stream=stream)), 502)
+
+
+def test_backend_errors_keep_their_status_in_openai_shape(servers):
+    with _proxy(servers("backend", reply=_plain_500), servers("backend", reply=_prefill_ok)) as client:
+        error = _assert_openai_error(client.post("/v1/completions", json=BODY), 500)
+        assert "Internal Server Error" in error["message"]
+        _assert_openai_error(client.post("/v1/completions", content=b"{not json"), 400)
+        _assert_openai_error(client.post("/v1/completions", json=["a", "list"]), 400)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with _proxy(dead, dead) as client:
+        _assert_openai_error(client.get("/v1/models"), 503)
+        assert client.get("/health").status_code == 503
+
+
+def test_stream_broken_midway_ends_with_an_error_event(servers):
+    with _proxy(servers("backend", reply=_prefill_ok), servers("backend", break_stream=True)) as client:
+        r = client.post("/v1/completions", json=dict(BODY, stream=True))
+        assert r.status_code == 200  # the stream had started: the status is already sent
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "he"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and "mid-stream" in error["message"]
+    assert events[-1] == "[DONE]"
