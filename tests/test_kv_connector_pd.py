@@ -111,12 +111,12 @@ def test_producer_gone_means_recompute_not_hang(ckpt):
     params = _prefill(prod, PROMPTS[0]).kv_transfer_params
     prod.llm_engine.shutdown()  # the producer dies before the consumer pulls
     cons = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
-                       "kv_connector_extra_config": {"transfer_timeout_s": 1}})
+                       "kv_connector_extra_config": {"transfer_timeout_s": 30}})
     try:
         counts = _count_scheduled(cons)
         t0 = time.monotonic()
         out = _decode(cons, PROMPTS[0], params)
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < 15  # the refused connection fails the pull at once, not after 30 s
         assert out.outputs[0].token_ids == want
         assert sum(counts) == len(PROMPTS[0]) + MAX_TOKENS - 1  # everything recomputed
     finally:
