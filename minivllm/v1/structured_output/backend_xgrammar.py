@@ -31,9 +31,9 @@ def _xgr():
     return xgrammar
 
 # %% auto #0
-__all__ = ['logger', 'MAX_CONSTRAINT_CHARS', 'STRING_FORMATS', 'MAX_JSON_WHITESPACE', 'choice_as_ebnf', 'structured_output_key',
-           'get_xgrammar_unsupported_json_features', 'regex_anchor_problem', 'json_whitespace', 'matches_nothing',
-           'validate_xgrammar_grammar', 'XgrammarGrammar', 'XgrammarBackend']
+__all__ = ['logger', 'MAX_CONSTRAINT_CHARS', 'MAX_SCHEMA_DEPTH', 'STRING_FORMATS', 'MAX_JSON_WHITESPACE', 'choice_as_ebnf',
+           'structured_output_key', 'schema_depth', 'get_xgrammar_unsupported_json_features', 'regex_anchor_problem',
+           'json_whitespace', 'matches_nothing', 'validate_xgrammar_grammar', 'XgrammarGrammar', 'XgrammarBackend']
 
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #4b4d0660
 def choice_as_ebnf(choices: list[str]) -> str:
@@ -59,6 +59,7 @@ def structured_output_key(params: Any) -> tuple[StructuredOutputOptions, str, bo
 
 
 MAX_CONSTRAINT_CHARS = int(os.environ.get("MINIVLLM_MAX_STRUCTURED_OUTPUT_CHARS", str(64 * 1024)))
+MAX_SCHEMA_DEPTH = int(os.environ.get("MINIVLLM_MAX_JSON_SCHEMA_DEPTH", "64"))
 
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #a5e078b9
 _ANNOTATIONS = {  # keywords that constrain nothing: allowed beside anything
@@ -157,6 +158,16 @@ def _node_problems(node: dict) -> list[str]:
     if isinstance(node.get("pattern"), str) and (why := regex_anchor_problem(node["pattern"])):
         out.append(f"`pattern`: {why}")
     return out
+
+
+def schema_depth(schema: Any) -> int:
+    "How many schemas deep `schema` nests (1 for a schema without subschemas), walked without recursion."
+    deepest, stack = 0, [(1, schema)] if isinstance(schema, dict) else []
+    while stack:
+        depth, node = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((depth + 1, sub) for _, sub in _subschemas(node, ""))
+    return deepest
 
 
 def get_xgrammar_unsupported_json_features(schema: Any) -> list[str]:
@@ -263,9 +274,15 @@ def validate_xgrammar_grammar(params: Any) -> None:
         )
     if kind == StructuredOutputOptions.JSON:
         try:
-            problems = get_xgrammar_unsupported_json_features(json.loads(spec))
-        except ValueError as e:
+            schema = json.loads(spec)
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"{field}: not valid JSON: {e}") from None
+        if (depth := schema_depth(schema)) > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"{field}: the schema nests {depth} schemas deep; at most {MAX_SCHEMA_DEPTH} "
+                "(MINIVLLM_MAX_JSON_SCHEMA_DEPTH: xgrammar's compile time grows with the cube of the depth)"
+            )
+        problems = get_xgrammar_unsupported_json_features(schema)
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ValueError(f"{field}: xgrammar cannot enforce this schema: {'; '.join(problems[:3])}{more}")
