@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast export lint clean-nbs docs bench
+.PHONY: install demo test test-slow test-fast export lint clean-nbs docs bench
 
 $(STAMP): setup.py settings.ini
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,15 @@ test: install
 	# The Triton kernels' notebooks (a second nbdev package: nbs/kernels/settings.ini -> kernels/).
 	cd nbs/kernels && TRITON_INTERPRET=1 ../../$(BIN)/nbdev_test --n_workers 2 --do_print --timing
 	$(BIN)/python -m pytest -q tests -m "not slow"
+
+# What `make test` leaves out for time: the notebook cells marked `#| slow` (each notebook that has any, run
+# whole with --flags slow) and the pytest tests marked slow. `.ci/run` runs it after `make test`.
+test-slow: install
+	for nb in $$(grep -l '#| slow' nbs/*.ipynb); do \
+	  TRITON_INTERPRET=1 $(BIN)/nbdev_test --path $$nb --flags slow --do_print || exit 1; done
+	cd nbs/kernels && for nb in $$(grep -l '#| slow' *.ipynb); do \
+	  TRITON_INTERPRET=1 ../../$(BIN)/nbdev_test --path $$nb --flags slow --do_print || exit 1; done
+	$(BIN)/python -m pytest -q tests -m slow
 
 export: install
 	$(BIN)/nbdev_export

@@ -95,7 +95,8 @@ def hf_greedy(path, prompts, max_tokens):
 
 
 def set_path(monkeypatch, path):
-    for var in ("MINIVLLM_CPU_GEMM", "MINIVLLM_CPU_ONEDNN_GEMM", "MINIVLLM_CPU_FLAGS", "MINIVLLM_CUDAGRAPH_MODE"):
+    for var in ("MINIVLLM_CPU_GEMM", "MINIVLLM_CPU_ONEDNN_GEMM", "MINIVLLM_CPU_FLAGS", "MINIVLLM_CUDAGRAPH_MODE",
+                "MINIVLLM_CPU_GEMM_TUNING"):
         monkeypatch.delenv(var, raising=False)
     env, kind = PATHS[path]
     for k, v in env.items():
@@ -145,6 +146,7 @@ def test_auto_policy_per_cpu_class(view, tiny, monkeypatch):
     set_path(monkeypatch, "onednn")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM")
     monkeypatch.setenv("MINIVLLM_CPU_FLAGS", flags)
+    monkeypatch.setenv("MINIVLLM_CPU_GEMM_TUNING", "0")  # the flag policy alone (measured: the test below)
     assert not cpu_has_native_bf16()
     prompts, max_tokens = [[5, 9, 13, 2], [40, 41]], [6, 6]
     for dtype, kind in expected.items():
@@ -171,7 +173,9 @@ def smollm2():
     return get_default_model_path()
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+# F.linear on SmolLM2 (MKL repacks every weight, the LM head too, at each call) takes ~30 s: run by .ci/run's
+# `make test-slow`, after the default suite
+@pytest.mark.parametrize("path", [p if p != "F.linear" else pytest.param(p, marks=pytest.mark.slow) for p in PATHS])
 def test_embedded_model_each_gemm_path_with_graphs_equals_transformers(path, smollm2, monkeypatch):
     reason = cannot_run(path, "float32")
     if reason:
@@ -191,3 +195,78 @@ def test_embedded_model_each_gemm_path_with_graphs_equals_transformers(path, smo
     assert replays(llm) - before >= 11
     del llm
     assert ours == hf_greedy(smollm2, prompts, [12, 12]), [tok.decode(o) for o in ours]
+
+
+# `auto` measures each shape (chapter 30d) and may give a layer a different kernel per row bucket: a decode
+# step of 1, of 2-4, a prefill of 5-16 and one of 17+ rows then run on different kernels. Forced here so every
+# bucket has its own kernel whatever this CPU measures: graphs (captured per row count) == eager ==
+# transformers, and only the kernels chosen are packed.
+def test_kernel_per_row_bucket_graphs_equal_eager_and_transformers(tiny, monkeypatch):
+    from minivllm.model_executor.layers import linear
+    for path in ("cpu_gemm", "onednn"):
+        if cannot_run(path, "float32"):
+            pytest.skip(cannot_run(path, "float32"))
+    set_path(monkeypatch, "onednn")
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM")
+    table = ("cpu_gemm", "onednn", "F.linear", "onednn")
+    monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: table)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 12, 30, 2)]  # prefills of 3..30 rows
+    max_tokens = [9, 4, 7, 6]  # decode batches of 4, 3, 2, 1
+    llm = LLM(tiny, dtype="float32", **ENGINE)
+    assert linear_kinds(llm) == {"cpu_gemm/onednn/F.linear/onednn"}
+    layers = [m for m in runner_of(llm).model.modules() if hasattr(m, "cpu_linear_kinds")]
+    assert all(m.weight.numel() > 0 for m in layers)  # F.linear keeps the plain weight
+    before = replays(llm)
+    graphs = greedy(llm, prompts, max_tokens)
+    assert replays(llm) > before
+    assert graphs == greedy(LLM(tiny, dtype="float32", enforce_eager=True, **ENGINE), prompts, max_tokens)
+    assert graphs == hf_greedy(tiny, prompts, max_tokens)
+
+
+def test_cpu_linear_dispatches_on_the_rows_of_each_call(monkeypatch):
+    from minivllm.model_executor.layers import linear
+    from minivllm.model_executor.layers.utils import cpu_gemm_candidates
+    if cannot_run("cpu_gemm", "float32") or cannot_run("onednn", "float32"):
+        pytest.skip("needs the C GEMM and oneDNN")
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM", raising=False)
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM_TUNING", raising=False)
+    table = ("F.linear", "cpu_gemm", "onednn", "cpu_gemm")
+    monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: table)
+    calls = []
+
+    def spying_candidates(weight, kinds):
+        impls = cpu_gemm_candidates(weight, kinds)
+        return {k: (lambda f, k: lambda x, bias=None: calls.append(k) or f(x, bias))(f, k) for k, f in impls.items()}
+
+    monkeypatch.setattr(linear, "cpu_gemm_candidates", spying_candidates)
+    layer = linear.ReplicatedLinear(48, 40, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.process_weights_after_loading()
+    assert layer.cpu_linear_kinds == table and layer.weight.numel() > 0
+    for rows, kind in ((1, "F.linear"), (3, "cpu_gemm"), (9, "onednn"), (40, "cpu_gemm"), (2048, "cpu_gemm")):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(layer(x)[0], torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        assert calls[-1] == kind, (rows, calls[-1])
+
+
+def test_measured_choice_under_each_cpu_view_stays_runnable(monkeypatch, tmp_path):
+    "Whatever the timings say, a view's measured kinds are among the kernels that view allows."
+    from minivllm.model_executor.layers import utils
+    from minivllm.model_executor.layers.linear import RowParallelLinear
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM", raising=False)
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM_TUNING", raising=False)
+    monkeypatch.setattr(utils, "_CHOICES", {})
+    allowed = {"sse2": ({"onednn", "F.linear"}, {"F.linear"}), "avx2,fma": ({"cpu_gemm", "onednn", "F.linear"},
+                                                                            {"cpu_gemm", "F.linear"})}
+    for flags, (f32, bf16) in allowed.items():
+        monkeypatch.setenv("MINIVLLM_CPU_FLAGS", flags)
+        for dtype, ok in ((torch.float32, f32), (torch.bfloat16, bf16)):
+            layer = RowParallelLinear(64, 32, bias=False, params_dtype=dtype)
+            torch.nn.init.normal_(layer.weight)
+            layer.process_weights_after_loading()
+            assert set(layer.cpu_linear_kinds) <= ok, (flags, dtype, layer.cpu_linear_kinds)
+    assert list(tmp_path.glob("gemm/choices-*.json"))  # measured and kept
