@@ -200,6 +200,18 @@ def test_accepted_images_are_decoded_one_at_a_time(vlm):
     assert rss.peak_mb < 600, rss.peak_mb
 
 
+def test_only_common_raster_formats_are_opened(vlm):
+    "EPS would make Pillow run Ghostscript (where installed), SVG it cannot read: 400s naming the part."
+    for raw in (
+        b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n",
+        b'<svg xmlns="http://www.w3.org/2000/svg"/>',
+    ):
+        body = _bad_request(vlm, images_message([data_url(raw)]))
+        assert (
+            "messages[0].content[0].image_url: not a valid image (not one of PNG, JPEG" in body["message"]
+        ), body
+
+
 def test_default_per_prompt_limit(vlm):
     urls = [data_url(small_png(i)) for i in range(22)]
     body = _bad_request(vlm, images_message(urls))

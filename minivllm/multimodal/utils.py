@@ -16,11 +16,14 @@ from urllib.parse import unquote, urlparse
 from .inputs import MediaWithBytes
 
 # %% auto #0
-__all__ = ['load_image_bytes', 'fetch_image', 'extract_chat_images']
+__all__ = ['IMAGE_FORMATS', 'load_image_bytes', 'fetch_image', 'extract_chat_images']
 
 # %% ../../nbs/25f_mm_utils.ipynb #94aa13ce
 def _max_image_bytes() -> int:
     return int(os.environ.get("MINIVLLM_MAX_IMAGE_BYTES", 20 * 1024 * 1024))
+
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow's plugin names (JPEG opens MPO too)
 
 
 def _max_image_pixels() -> int:
@@ -35,6 +38,10 @@ def _too_many_pixels(field: str, size: str) -> ValueError:
 
 
 def _not_an_image(field: str, e: Exception) -> ValueError:
+    from PIL import UnidentifiedImageError
+
+    if isinstance(e, UnidentifiedImageError):
+        return ValueError(f"{field}: not a valid image (not one of {', '.join(IMAGE_FORMATS)}).")
     return ValueError(f"{field}: not a valid image ({type(e).__name__}: {e}).")
 
 
@@ -43,8 +50,9 @@ def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
     whose pixels are decoded only when used (the processor converts it to RGB, one image at a time).
 
     Raises ValueError naming `field` when the bytes exceed `MINIVLLM_MAX_IMAGE_BYTES`, the header declares
-    more than `MINIVLLM_MAX_IMAGE_PIXELS` pixels (checked before decoding), or the bytes are not an image
-    or are truncated. Source: vLLM v0.15 multimodal/image.py `ImageMediaIO.load_bytes`."""
+    more than `MINIVLLM_MAX_IMAGE_PIXELS` pixels (checked before decoding), or the bytes are not an image in
+    one of `IMAGE_FORMATS` or are truncated.
+    Source: vLLM v0.15 multimodal/image.py `ImageMediaIO.load_bytes`."""
     from PIL import Image
 
     limit = _max_image_bytes()
@@ -53,8 +61,9 @@ def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
             f"{field}: the image has {len(data)} bytes; at most {limit} are allowed "
             "(MINIVLLM_MAX_IMAGE_BYTES)."
         )
+    Image.init()  # registers every plugin: open(formats=...) fails on a name not registered yet
     try:
-        image = Image.open(io.BytesIO(data))  # parses the header: nothing is decoded yet
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # parses the header, decodes nothing
     except Image.DecompressionBombError:  # above Pillow's own hard limit (2 x Image.MAX_IMAGE_PIXELS)
         raise _too_many_pixels(field, f"over Pillow's limit of {2 * Image.MAX_IMAGE_PIXELS} pixels") from None
     except (OSError, SyntaxError, ValueError) as e:
@@ -67,7 +76,7 @@ def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
     except (OSError, SyntaxError, ValueError) as e:
         raise _not_an_image(field, e) from None
     # keep the header only: the processor decodes the pixels again when it needs them (none on a cache hit)
-    return MediaWithBytes(Image.open(io.BytesIO(data)), bytes(data))
+    return MediaWithBytes(Image.open(io.BytesIO(data), formats=IMAGE_FORMATS), bytes(data))
 
 # %% ../../nbs/25f_mm_utils.ipynb #c96ebb32
 def fetch_image(
