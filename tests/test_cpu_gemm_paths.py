@@ -15,7 +15,6 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from kernels.cpu_attention import cpu_attention_available
 from kernels.cpu_build import cpu_flags
@@ -26,6 +25,7 @@ from minivllm.entrypoints.llm import LLM
 from minivllm.model_executor.layers.linear import _onednn_bf16_supported
 from minivllm.sampling_params import SamplingParams
 from minivllm.testing import make_tiny_checkpoint
+from test_cpu_graphs import greedy, hf_greedy, replays, runner_of  # the same helpers (tests/ is on sys.path)
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's GEMM paths; CUDA runs cuBLAS"),
@@ -58,10 +58,6 @@ def tiny(tmp_path_factory):
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
 
 
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
-
-
 def linear_kinds(llm) -> set:
     "cpu_linear_kind of every linear of the model (the LM head included)."
     return {
@@ -69,29 +65,6 @@ def linear_kinds(llm) -> set:
         for m in runner_of(llm).model.modules()
         if isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "cpu_linear")
     }
-
-
-def replays(llm) -> int:
-    return sum(e.cudagraphs[0].num_replays for e in runner_of(llm).cudagraphs.values())
-
-
-def greedy(llm, prompts, max_tokens):
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def hf_greedy(path, prompts, max_tokens):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for p, m in zip(prompts, max_tokens):
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, do_sample=False,
-                                 pad_token_id=0)
-            out.append(gen[0, len(p):].tolist())
-    return out
 
 
 def set_path(monkeypatch, path):
