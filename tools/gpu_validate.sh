@@ -60,6 +60,10 @@ if [ -n "${GPU_VALIDATE_DRY_RUN:-}" ]; then  # here, on the CPU: only check that
 fi
 timeout 270 $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cudagraph_runner.py -rs \
   2>&1 | tee "$LOG/tests.txt" || rc=1
+# P/D over the P2P connector with the engine's cache on the GPU: the producer's answer copies device slices to
+# the host (a .numpy() of a CUDA tensor raised before), the consumer writes them back to the device
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_kv_connector_pd.py -k "equal_one_instance or device_cache" \
+  -rs 2>&1 | tee "$LOG/tests_pd.txt" || rc=1
 timeout 60 $PY benchmarks/attention_kernels.py --iters 20 2>&1 | tee "$LOG/bench_kernels.txt" || rc=1
 timeout 150 $PY benchmarks/throughput.py --device cuda --random-weights qwen3-0.6b --skip-hf \
   --num-prompts "${THROUGHPUT_PROMPTS:-128}" --min-len 100 --max-len 1024 --min-output-len 100 --max-output-len 1024 \
