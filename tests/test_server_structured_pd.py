@@ -72,6 +72,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COMPUTED = "vllm:request_prefill_kv_computed_tokens"
+
+
+def _metrics(port: int) -> dict[str, float]:
+    "The server's /metrics samples without labels: name -> value (one model, so no clashes we read)."
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if "le" not in s.labels}
+
+
 def test_prefill_decode_servers_through_the_proxy(tmp_path):
     common = ["--served-model-name", "tiny", "--max-model-len", "256", "--block-size", "16", "--seed", "0"]
     kv_port = _free_port()
@@ -103,9 +115,22 @@ def test_prefill_decode_servers_through_the_proxy(tmp_path):
         pd = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="x", max_retries=0, timeout=60)
         prompt = "The quick brown fox jumps over the lazy dog, " * 3
         kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-        want = one.completions.create(**kw).choices[0].text
+        ref = one.completions.create(**kw)
+        want, n_prompt = ref.choices[0].text, ref.usage.prompt_tokens
         got = "".join(c.choices[0].text for c in pd.completions.create(stream=True, **kw))
         assert got == want
+        # a transfer, not a recompute (issue 30, item 12): the consumer computed one prompt token, the last
+        # (vllm:request_prefill_kv_computed_tokens = prompt - cached); its connector was asked for the whole
+        # prompt and claimed it (vllm:external_prefix_cache_*); the single instance computed every token
+        deadline = time.monotonic() + 10
+        while (cons := _metrics(cons_port)).get(COMPUTED + "_count", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (cons.get(COMPUTED + "_count"), cons.get(COMPUTED + "_sum")) == (1, 1), cons
+        assert (cons["vllm:external_prefix_cache_queries_total"], cons["vllm:external_prefix_cache_hits_total"]) \
+            == (n_prompt, n_prompt)
+        single_metrics = _metrics(single_port)
+        assert single_metrics[COMPUTED + "_sum"] == n_prompt
+        assert single_metrics["vllm:external_prefix_cache_queries_total"] == 0  # no connector there
         chat = dict(model="tiny", messages=[{"role": "user", "content": prompt}], max_completion_tokens=6,
                     temperature=0, extra_body={"ignore_eos": True})
         assert pd.chat.completions.create(**chat).choices[0].message.content == \
