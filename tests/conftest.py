@@ -27,3 +27,19 @@ tempfile.tempdir = _SESSION_TMP
 
 def pytest_unconfigure(config):
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+# `minivllm chat` / `generate` without --verbose set the "minivllm" logger to ERROR for the rest of the process
+# (entrypoints/cli/main.py): a test that runs the CLI's main() in-process would silence every later test's
+# warnings (caplog then sees nothing). Restore the level after each test.
+import logging
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _restore_minivllm_log_level():
+    logger = logging.getLogger("minivllm")
+    level = logger.level
+    yield
+    logger.setLevel(level)
