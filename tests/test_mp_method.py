@@ -117,6 +117,7 @@ def test_guardless_script_forks_and_matches_in_process(ckpt, tmp_path, how):
     assert "<stdin>" not in r.stderr  # spawn would look for a file of that name
 
 
+@pytest.mark.slow  # 15 s (two spawned interpreters); spawn is no longer the default: `make test-slow`
 def test_spawn_refuses_the_guardless_script_with_the_hint(ckpt, tmp_path):
     (tmp_path / "no_guard.py").write_text(GUARDLESS.format(ckpt=ckpt))
     r = subprocess.run(
