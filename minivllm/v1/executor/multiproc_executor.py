@@ -30,7 +30,7 @@ from fastcore.basics import patch
 from ...config import VllmConfig
 from ...distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from ...distributed.kv_events import KVEventAggregator
-from ...utils.system_utils import get_mp_context
+from ...utils.system_utils import get_mp_context, wait_for_process_exit
 from ..core.sched.output import SchedulerOutput
 from .abstract import Executor, run_method
 from ..outputs import KVConnectorOutput, ModelRunnerOutput
@@ -184,10 +184,10 @@ def worker_main(
 
     def monitor_parent():
         # EOF once every copy of the write end is closed. A process the executor's process forks later also
-        # inherits a copy, so being re-parented (the executor's process is gone) is checked too, every second.
+        # inherits a copy, so the executor's process itself is watched too (a pidfd, or /proc every second):
+        # not os.getppid(), which under forkserver is the fork server (chapter 24d).
         try:
-            while not death_pipe.poll(1.0) and os.getppid() == parent_pid:
-                pass
+            wait_for_process_exit((parent_pid, None), [death_pipe])
         except (EOFError, OSError):
             pass
         shutdown_event.set()
