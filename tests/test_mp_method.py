@@ -4,6 +4,10 @@
   engine core in a forked process, after OpenMP work in their main thread (which hangs a child forked from
   that thread), and generate the in-process engine's greedy tokens;
 - under spawn the guard-less script is refused with the guard hint;
+- a script read from stdin under spawn or forkserver is refused: no file to re-import, use fork or no
+  multiprocessing (not the guard hint);
+- fork, forkserver and spawn (slow) each start an engine with a worker process, generate the in-process
+  tokens, and take the engine and worker along when the front end is SIGKILLed;
 - an invalid value is a ValueError naming the variable and the allowed values, raised before any IPC file;
 - CUDA initialised in this process falls back to spawn with one log line giving the reason;
 - a SIGKILLed front end takes its forked engine process and that engine's worker process with it, even while
@@ -13,6 +17,7 @@
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +219,104 @@ def test_a_killed_front_end_takes_its_forked_engine_and_worker_along(ckpt, tmp_p
             proc.kill()
             proc.wait(30)
         _kill(pids)
+
+
+STDIN_SPAWN = """
+from minivllm.entrypoints.llm import LLM
+LLM({ckpt!r}, dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 20)
+print("built", flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_stdin_script_under_spawn_is_refused_naming_the_real_cause(ckpt, tmp_path, method):
+    r = subprocess.run(
+        [sys.executable, "-"],
+        input=STDIN_SPAWN.format(ckpt=ckpt),
+        env=_env(**{MP_METHOD_ENV: method, "MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert r.returncode != 0 and "built" not in r.stdout
+    assert "no file to re-import" in r.stderr and "'<stdin>'" in r.stderr
+    assert "MINIVLLM_WORKER_MULTIPROC_METHOD=fork" in r.stderr
+    assert "MINIVLLM_ENABLE_V1_MULTIPROCESSING=0" in r.stderr
+    assert "__name__" not in r.stderr  # not the guard: this program may have one
+
+
+# A guarded script file (spawn and forkserver re-import it): builds the in-process engine for reference, then
+# the engine core in its own process with a worker process, generates, forks a sleeper that inherits every
+# pipe end, prints what it saw and waits to be killed.
+GUARDED_KILLED = """
+import json, multiprocessing, os, time
+from minivllm.entrypoints.llm import LLM
+from minivllm.sampling_params import SamplingParams
+if __name__ == "__main__":
+    kw = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    ref = LLM({ckpt!r}, **kw).generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids
+    os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    llm = LLM({ckpt!r}, distributed_executor_backend="mp", **kw)
+    got = llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids
+    client = llm.llm_engine.engine_core
+    sleeper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+    sleeper.start()
+    out = dict(ref=list(ref), got=list(got), method=client._start_method, engine=client.proc.pid,
+               sleeper=sleeper.pid)
+    print(json.dumps(out), flush=True)
+    time.sleep(120)
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    "Every live process below `pid` (a fork server's children are its grandchildren), resource trackers left out."
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.parametrize(
+    "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)]  # spawn: 3 interpreters
+)
+def test_every_start_method_starts_and_dies_with_its_front_end(ckpt, tmp_path, method):
+    # short: the fork server binds an AF_UNIX socket in $TMPDIR (108 bytes at most); removed below
+    tmpdir = Path(tempfile.mkdtemp(prefix="mvt-"))
+    (tmp_path / "guarded.py").write_text(GUARDED_KILLED.format(ckpt=ckpt))
+    env = _env(**{MP_METHOD_ENV: method, "TMPDIR": str(tmpdir), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "guarded.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        cwd=tmp_path,
+    )
+    pids = []
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:] if proc.wait(60) is not None else "no output"
+        out = json.loads(line)
+        assert out["method"] == method and out["got"] == out["ref"] and len(out["got"]) == 4
+        below = _descendants(out["engine"])  # the worker (and under forkserver the engine's fork server)
+        pids = [out["engine"], out["sleeper"], *below]
+        assert len(below) >= (2 if method == "forkserver" else 1) and _alive(out["sleeper"])
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in [out["engine"], *below]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in [out["engine"], *below] if _alive(p)] == []
+        assert _alive(out["sleeper"])
+        assert [p.name for p in tmpdir.iterdir() if p.name.startswith("minivllm-")] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        _kill(pids)
+        shutil.rmtree(tmpdir, ignore_errors=True)
