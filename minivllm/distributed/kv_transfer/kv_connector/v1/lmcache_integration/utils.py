@@ -25,7 +25,10 @@ class LMCacheEngineConfig:
     block size); `local_cpu` / `max_local_cpu_size` (GB): the in-memory tier; `local_disk` (path or
     file:// URL, None = off) / `max_local_disk_size` (GB); `remote_url` (redis://host:port, None = off);
     `save_unfull_chunk`: also store the prompt's last, shorter chunk (cut to whole blocks);
-    `remote_timeout_s`: socket timeout of the remote client. `validate` raises `ValueError` naming the field.
+    `remote_timeout_s`: socket timeout of the remote client; `use_layerwise`: load and save layer by layer on
+    background threads (overlapping the forward) instead of all at once before it; `blocking_timeout_secs`:
+    the longest a forward waits for one layer's load or the step end for its saves before they fail (misses).
+    `validate` raises `ValueError` naming the field.
     Source: LMCache lmcache/v1/config.py `LMCacheEngineConfig`."""
 
     chunk_size: int = 256
@@ -36,6 +39,8 @@ class LMCacheEngineConfig:
     remote_url: str | None = None
     save_unfull_chunk: bool = False
     remote_timeout_s: float = 0.5
+    use_layerwise: bool = False
+    blocking_timeout_secs: float = 10.0
 
     @property
     def local_disk_path(self) -> Path | None:
@@ -57,6 +62,10 @@ class LMCacheEngineConfig:
         if self.local_disk and self.max_local_disk_size <= 0:
             raise ValueError(
                 f"max_local_disk_size must be > 0 GB with local_disk; got {self.max_local_disk_size}"
+            )
+        if not 0 < self.blocking_timeout_secs <= 3600:  # also refuses NaN and inf: a wait must end
+            raise ValueError(
+                f"blocking_timeout_secs must be in (0, 3600] seconds; got {self.blocking_timeout_secs}"
             )
         if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://")):
             raise ValueError(f"remote_url must be redis://host:port; got {self.remote_url!r}")
