@@ -426,3 +426,81 @@ def test_json_whitespace_is_bounded(real, fmt):
         },
     )
     assert max((len(m) for m in re.findall(r"\s+", compact.choices[0].message.content)), default=0) <= 1
+
+
+# ---- a second attacker's pass: empty / malformed keywords, empty choice, inexact formats ----
+
+MALFORMED = [
+    ({"anyOf": []}, "#: `anyOf` is an empty array; JSON Schema requires at least one entry"),  # was 200, ''
+    ({"type": []}, "#: `type` is an empty array"),  # was any JSON
+    ({"type": "strng"}, "`type` 'strng': each type must be one of array, boolean, integer"),
+    (
+        {"type": "object", "minProperties": 2},  # xgrammar: "... additional properties aren't allowed"
+        "`minProperties` 2 asks for more properties than `properties` defines (0): schemas compile in "
+        "strict mode, where an object without `additionalProperties` holds only the properties it names",
+    ),
+    ({"type": "string", "format": "hostname"}, "string format 'hostname' is not enforced exactly"),
+    ({"type": "string", "format": "ipv4", "pattern": "^1$"}, "`pattern` beside `format`"),
+]
+
+
+@pytest.mark.parametrize("schema, why", MALFORMED)
+def test_malformed_schemas_are_400s_naming_the_keyword(real, schema, why):
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.chat.completions.create(
+            model="tiny", messages=CHAT, max_completion_tokens=4, response_format=_schema_fmt(schema)
+        )
+    assert e.value.body["param"] == "response_format", e.value.body
+    assert why in e.value.body["message"], e.value.body
+    assert "/project/" not in e.value.body["message"]  # no C++ log prefix
+    _fine(real)
+
+
+def test_empty_choice_is_a_400_naming_the_field(real):
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.completions.create(
+            model="tiny", prompt="x", max_tokens=4, extra_body={"structured_outputs": {"choice": []}}
+        )
+    assert e.value.body["param"] == "structured_outputs", e.value.body
+    assert "structured_outputs.choice: choice must have at least one entry" in e.value.body["message"]
+    assert "EBNF" not in e.value.body["message"]
+    _fine(real)
+
+
+def _bias_towards(srv, texts: list[str]) -> dict[str, float]:
+    "+100 on the single tokens spelling each of `texts`: the model emits them wherever the grammar allows."
+    tok = srv.llm.tokenizer
+    ids = [i for i in range(len(tok)) if tok.decode([i]) in texts]
+    assert ids, texts
+    return {str(i): 100.0 for i in ids}
+
+
+def test_ipv4_format_refuses_leading_zeros(real):
+    """Pushed towards `0` everywhere, xgrammar's own ipv4 grammar would let `00`/`030` octets through; the exact
+    pattern minivllm substitutes allows a `0` octet only alone."""
+    import ipaddress
+
+    r = real.client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_completion_tokens=40,
+        temperature=0,
+        logit_bias=_bias_towards(real, ["0", "00", "000", "03", "030"]),
+        response_format=_schema_fmt({"type": "string", "format": "ipv4"}),
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    value = __import__("json").loads(choice.message.content)
+    assert str(ipaddress.IPv4Address(value)) == value, value  # canonical: no leading zeros
+    r = real.client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_completion_tokens=40,
+        temperature=0,
+        logit_bias=_bias_towards(real, ["3", "0", "30", "03"]),
+        response_format=_schema_fmt({"type": "string", "format": "date"}),
+    )
+    import datetime
+
+    value = __import__("json").loads(r.choices[0].message.content)
+    datetime.date.fromisoformat(value)  # a real day (xgrammar alone allows 30 and 31 in every month)
