@@ -189,6 +189,13 @@ def test_generate_says_what_a_prompt_may_be(llm, prompts):
     (["generate", "hi", "--kv-cache-memory-bytes", "-1"], ["kv_cache_memory_bytes must be > 0"]),
     (["generate", "hi", "--dtype", "int8"], ["--dtype", "invalid choice"]),
     (["serve", "--dtype", "int8"], ["--dtype", "invalid choice"]),
+    (["generate", "hi", "--compilation-config", '{"cudagraph_mode": 7}'],
+     ["cudagraph_mode must be one of ['NONE', 'PIECEWISE', 'FULL', 'FULL_DECODE_ONLY', 'FULL_AND_PIECEWISE']", "got 7"]),
+    (["generate", "hi", "--compilation-config", '{"cudagraph_capture_sizes": ["a"]}'],
+     ["cudagraph_capture_sizes must be a list of ints >= 1", "['a']"]),
+    (["generate", "hi", "--compilation-config", '{"max_cudagraph_capture_size": 0}'],
+     ["max_cudagraph_capture_size must be an int >= 1", "got 0"]),
+    (["generate", "hi", "--compilation-config", '{"custom_ops": 5}'], ["custom_ops must be a list"]),
 ])
 def test_cli_bad_flags_give_one_error_line(argv, words, capsys):
     "Each bad flag: exit status 2 and one `error:` line naming it, no traceback."
