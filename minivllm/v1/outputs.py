@@ -95,6 +95,9 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
     ec_connector_output: ECConnectorOutput | None = None
     num_nans_in_logits: dict[str, int] | None = None
+    # speculative decoding (chapter 43c): the next step's draft tokens per row (vLLM v0.15 hands them over
+    # through `take_draft_token_ids` instead; one field keeps every executor unchanged)
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})
