@@ -11,6 +11,7 @@ this CPU look like another class.
 float32 runs are compared with transformers token for token. bfloat16 rounds differently in each GEMM (and
 in transformers), so there a path's graphs are compared with the same path run eagerly.
 """
+import json
 import random
 
 import pytest
@@ -243,3 +244,82 @@ def test_measured_choice_under_each_cpu_view_stays_runnable(monkeypatch, tmp_pat
             layer.process_weights_after_loading()
             assert set(layer.cpu_linear_kinds) <= ok, (flags, dtype, layer.cpu_linear_kinds)
     assert list(tmp_path.glob("gemm/choices-*.json"))  # measured and kept
+
+
+@pytest.fixture
+def gemm_cache(monkeypatch, tmp_path):
+    "A scratch MINIVLLM_CACHE_DIR (never the user's ~/.cache), an empty per-process memo, `auto` tuning."
+    from minivllm.model_executor.layers import utils
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    for name in ("MINIVLLM_CPU_GEMM", "MINIVLLM_CPU_GEMM_TUNING", "MINIVLLM_CPU_ONEDNN_GEMM", "MINIVLLM_CPU_FLAGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(utils, "_CHOICES", {})
+    monkeypatch.setattr(utils, "_machine_was_quiet", lambda: True)
+    return utils
+
+
+def test_gemm_cache_key_has_the_onednn_switch_and_the_compiler(gemm_cache, monkeypatch):
+    utils = gemm_cache
+    real_cc = utils.find_c_compiler
+    on = utils.cpu_gemm_cache_path()
+    monkeypatch.setattr(utils, "find_c_compiler", lambda: None)
+    no_cc = utils.cpu_gemm_cache_path()
+    monkeypatch.setattr(utils, "find_c_compiler", real_cc)
+    monkeypatch.setenv("MINIVLLM_CPU_ONEDNN_GEMM", "0")
+    off = utils.cpu_gemm_cache_path()
+    assert len({on, off, no_cc}) == 3
+    # three runs with oneDNN off freeze a table without oneDNN; a run with it on does not read that table
+    w = torch.randn(64, 64) * 0.05
+    for _ in range(3):
+        utils._CHOICES.clear()
+        utils.select_cpu_gemm_kinds(w, "onednn")
+    frozen = utils._read_choices(off)["64x64:float32"]
+    assert frozen["runs"] == 3 and "onednn" not in frozen["ms"]
+    monkeypatch.delenv("MINIVLLM_CPU_ONEDNN_GEMM")
+    utils._CHOICES.clear()
+    utils.select_cpu_gemm_kinds(w, "onednn")
+    fresh = utils._read_choices(on)["64x64:float32"]
+    assert fresh["runs"] == 1
+    if torch.backends.mkldnn.is_available():
+        assert "onednn" in fresh["ms"]
+
+
+@pytest.mark.parametrize("runs", [True, -5, 2.5, "3"])
+def test_a_run_count_that_is_not_a_whole_number_is_measured_again(gemm_cache, runs):
+    utils = gemm_cache
+    path = utils.cpu_gemm_cache_path()
+    path.parent.mkdir(parents=True)
+    # F.linear looks 1000x faster than it is: if this entry were trusted, it would be the choice
+    path.write_text(json.dumps({"64x64:float32": {"ms": {"F.linear": [1e-9] * 4}, "runs": runs}}))
+    utils.select_cpu_gemm_kinds(torch.randn(64, 64) * 0.05, "onednn")
+    entry = utils._read_choices(path)["64x64:float32"]
+    assert entry["runs"] == 1 and type(entry["runs"]) is int  # measured again, counted from 0
+    assert min(entry["ms"]["F.linear"]) > 1e-9
+
+
+def test_a_folder_in_the_cache_files_place_leaves_no_tmp(gemm_cache):
+    utils = gemm_cache
+    path = utils.cpu_gemm_cache_path()
+    path.mkdir(parents=True)
+    kinds = utils.select_cpu_gemm_kinds(torch.randn(64, 64) * 0.05, "onednn")
+    assert len(kinds) == 4 and path.is_dir()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_a_cached_kind_that_cannot_be_packed_gives_way_to_the_next_best_measured(gemm_cache, monkeypatch):
+    from minivllm.model_executor.layers.linear import RowParallelLinear
+    utils = gemm_cache
+    if cannot_run("cpu_gemm", "float32"):
+        pytest.skip(cannot_run("cpu_gemm", "float32"))
+    path = utils.cpu_gemm_cache_path()
+    path.parent.mkdir(parents=True)
+    ms = {"onednn": [1.0] * 4, "cpu_gemm": [2.0] * 4, "F.linear": [3.0] * 4}
+    path.write_text(json.dumps({"32x64:float32": {"ms": ms, "runs": 3}}))  # final: read, not measured
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # oneDNN cannot pack here
+    layer = RowParallelLinear(64, 32, bias=False, params_dtype=torch.float32)
+    torch.nn.init.normal_(layer.weight)
+    w = layer.weight.detach().clone()
+    layer.process_weights_after_loading()
+    assert layer.cpu_linear_kinds == ("cpu_gemm",) * 4  # not F.linear, the slowest
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(layer(x)[0], torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
