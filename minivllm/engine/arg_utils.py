@@ -78,6 +78,8 @@ class EngineArgs:
     kv_transfer_config: dict | KVTransferConfig | str | None = None
     ec_transfer_config: dict | ECTransferConfig | str | None = None
     kv_events_config: dict | KVEventsConfig | str | None = None
+    # speculative decoding (chapter 01c): '{"method": "ngram", "num_speculative_tokens": 3}'
+    speculative_config: dict | str | None = None
     kv_cache_metrics_sample: float = 0.01
     trace_steps: bool | str | None = None
     simulate: Any = None
@@ -130,6 +132,34 @@ def create_kv_transfer_config(self: EngineArgs) -> KVTransferConfig | None:
     if isinstance(kvt, dict):
         return KVTransferConfig.from_cli(json.dumps(kvt))
     raise ValueError(f"kv_transfer_config must be a dict, str or KVTransferConfig; got {type(kvt).__name__}")
+
+# %% ../../nbs/29a_arg_utils.ipynb #acae54e37e7d407bbb7b55eff062a284
+@patch
+def create_speculative_config(self: EngineArgs, model_config: ModelConfig, parallel_config: ParallelConfig):
+    """`speculative_config` as a `SpeculativeConfig` (chapter 01c) or None; for `draft_model` also the draft's
+    `ModelConfig` (the target's dtype and max_model_len). Raises ValueError naming the field: a bad config,
+    a draft folder that cannot serve max_model_len, or a combination minivllm cannot run speculatively
+    (async scheduling, pipeline parallelism). Source: vLLM v0.15 engine/arg_utils.py
+    `create_speculative_config`."""
+    from minivllm.speculative_config import as_speculative_config
+
+    sc = as_speculative_config(self.speculative_config)
+    if sc is None:
+        return None
+    if self.async_scheduling:
+        raise ValueError(
+            "speculative_config cannot be combined with async_scheduling (--async-scheduling) yet"
+        )
+    if parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config cannot be combined with pipeline_parallel_size > 1")
+    if sc.method == "draft_model":
+        try:
+            sc.draft_model_config = ModelConfig(
+                model=sc.model, dtype=self.dtype, seed=self.seed, max_model_len=model_config.max_model_len
+            )
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+    return sc
 
 # %% ../../nbs/29a_arg_utils.ipynb #fc3b6b7d
 @patch
@@ -269,6 +299,7 @@ def create_engine_config(self: EngineArgs, usage_context: Any = None) -> VllmCon
         parallel_config=parallel_config,
         device_config=DeviceConfig(self.device),
         compilation_config=self.create_compilation_config(),
+        speculative_config=self.create_speculative_config(model_config, parallel_config),
         kv_transfer_config=self.create_kv_transfer_config(),
         ec_transfer_config=self.create_ec_transfer_config(),
         kv_events_config=self.kv_events_config
@@ -311,6 +342,14 @@ def add_cli_args(cls: EngineArgs, parser: argparse.ArgumentParser) -> argparse.A
                 default=None,
                 dest=f.name,
                 help='JSON: \'{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}\'',
+            )
+        elif f.name == "speculative_config":
+            group.add_argument(
+                flag,
+                default=None,
+                dest=f.name,
+                help='JSON: \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+                '\'{"model": "/path/to/draft", "num_speculative_tokens": 3}\'',
             )
         elif f.name == "ec_transfer_config":
             group.add_argument(
