@@ -154,6 +154,14 @@ def all_random(self: InputBatch) -> bool:
 def max_num_logprobs(self: InputBatch) -> int | None:
     return max(self.num_logprobs.values()) if self.num_logprobs else None
 
+
+@patch(as_prop=True)
+def num_tokens_no_spec(self: InputBatch) -> np.ndarray:
+    """(max_num_reqs,) int32 tokens of each row without draft tokens: the same array as `num_tokens`, because
+    minivllm never counts drafts there (they sit in `token_ids_cpu` past it only while a step verifies them,
+    chapter 43c). Source: vLLM v0.15 gpu_input_batch.py `InputBatch.num_tokens_no_spec`."""
+    return self.num_tokens
+
 # %% ../../../nbs/42_input_batch.ipynb #c1419ba5
 @patch
 def add_request(self: InputBatch, request: CachedRequestState) -> int:
