@@ -606,6 +606,7 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(
         default_factory=CompilationConfig
     )  # CUDA graphs (chapter 01a)
+    lora_config: Any = None  # a LoRAConfig with --enable-lora (chapter 30f)
     speculative_config: Any = None  # a SpeculativeConfig (chapter 01c) or None: no speculative decoding
 
 # %% ../nbs/01_config.ipynb #411c86ee
