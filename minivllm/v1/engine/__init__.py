@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from ...lora.request import LoRARequest
 from ...multimodal.inputs import MultiModalFeatureSpec
 from ...sampling_params import SamplingParams
 
@@ -68,7 +69,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: Any | None
     eos_token_id: int | None
     arrival_time: float
-    lora_request: Any | None = None
+    lora_request: LoRARequest | None = None  # typed: msgspec decodes it back into a LoRARequest
     cache_salt: str | None = None
     data_parallel_rank: int | None = None
     prompt_embeds: Any | None = None
