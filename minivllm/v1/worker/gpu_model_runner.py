@@ -66,6 +66,7 @@ class ExecuteModelState(NamedTuple):
     attn_metadata: dict[str, Any]
     kv_connector_output: KVConnectorOutput | None = None
     ec_connector_output: ECConnectorOutput | None = None
+    spec_decode_metadata: Any = None  # a SpecDecodeMetadata when the step verifies drafts (chapter 43c)
 
 
 @dataclass
@@ -149,6 +150,9 @@ class GPUModelRunner(KVConnectorModelRunnerMixin, ECConnectorModelRunnerMixin):
         self.is_mm_prefix_lm = bool(getattr(self.model_config, "is_mm_prefix_lm", False))
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoder_runs = 0  # embed_multimodal calls (the tests count them)
+        self.drafter = None  # speculative decoding (chapter 43c): the proposer, set by _init_spec_decode
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            self._init_spec_decode()
 
     def _make_input_batch(
         self, block_sizes: list[int], kernel_block_sizes: list[int] | None = None
@@ -171,6 +175,8 @@ def load_model(self: GPUModelRunner) -> None:
     from minivllm.model_executor.model_loader import get_model
 
     self.model = get_model(vllm_config=self.vllm_config)
+    if self.drafter is not None:
+        self._load_drafter()
 
 
 @patch
@@ -863,14 +869,20 @@ def execute_model(
             return self.kv_connector_no_forward(scheduler_output, self.vllm_config)
         return EMPTY_MODEL_RUNNER_OUTPUT
     num_reqs = self.input_batch.num_reqs
+    spec_decode_metadata = None
+    if scheduler_output.scheduled_spec_decode_tokens:  # drafts go in after the real tokens (chapter 43c)
+        self._update_spec_tokens(scheduler_output)
     logits_indices, num_scheduled, discard = self._prepare_inputs(scheduler_output)
+    if scheduler_output.scheduled_spec_decode_tokens:  # logits at every draft position
+        spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output, num_scheduled)
+        logits_indices = spec_decode_metadata.logits_indices
     max_seq_len = int(self.seq_lens.np[:num_reqs].max())
     inputs_embeds, mm_prefix_range, ec_connector_output = None, None, None
     if self.supports_mm_inputs and pp.is_first_rank:  # a consumer's EC connector loads on entering
         with self.maybe_get_ec_connector_output(scheduler_output, self.encoder_cache) as ec_connector_output:
             inputs_embeds, mm_prefix_range = self._prepare_mm_inputs(scheduler_output, total)
     mode, desc = self._dispatch_cudagraph(num_reqs, total, num_scheduled)  # (NONE, None): eager
-    if inputs_embeds is not None:  # image steps run eagerly
+    if inputs_embeds is not None or spec_decode_metadata is not None:  # image and draft steps run eagerly
         mode, desc = CUDAGraphMode.NONE, None
     num_input_tokens = desc.num_tokens if desc is not None else total
     attn_metadata, slot_mappings = self._build_attention_metadata(
@@ -909,6 +921,7 @@ def execute_model(
         attn_metadata,
         kv_connector_output,
         ec_connector_output,
+        spec_decode_metadata,
     )
     return None
 
@@ -938,6 +951,8 @@ def sample_tokens(self: GPUModelRunner, grammar_output: Any = None) -> ModelRunn
     state, self.execute_model_state = self.execute_model_state, None
     if state is None:
         return EMPTY_MODEL_RUNNER_OUTPUT
+    if state.spec_decode_metadata is not None:  # drafts to verify: the rejection sampler (chapter 43c)
+        return self._sample_spec_decode(state, grammar_output)
     if grammar_output is not None:
         self.apply_grammar_bitmask(grammar_output, state.logits)
     ib = self.input_batch
@@ -974,6 +989,7 @@ def sample_tokens(self: GPUModelRunner, grammar_output: Any = None) -> ModelRunn
         prompt_logprobs_dict=prompt_lp,
         kv_connector_output=state.kv_connector_output,
         ec_connector_output=state.ec_connector_output,
+        spec_token_ids=None if self.drafter is None else self.propose_draft_token_ids(valid),
     )
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #109aed4b
@@ -1072,3 +1088,8 @@ def profile_run(self: GPUModelRunner) -> None:
     self._dummy_sampler_run(hidden[idx])
     if self.device.type == "cuda":
         torch.cuda.synchronize(self.device)
+
+# %% ../../../nbs/43_gpu_model_runner.ipynb
+# speculative decoding's methods (`_init_spec_decode`, `_sample_spec_decode`, ...) live in chapter 43c and
+# patch GPUModelRunner when this module is imported
+from ..spec_decode import runner as _spec_decode_runner  # noqa: E402, F401
