@@ -232,6 +232,28 @@ def _make_mm_features(self: InputProcessor, mm_inputs) -> list[MultiModalFeature
         feature.data = mm_inputs.mm_kwargs[modality][i]
     return features
 
+# %% ../../../nbs/25_input_processor.ipynb #7fb27b941602401d91542211134fc71a
+@patch
+def _validate_lora(self: InputProcessor, lora_request: Any) -> None:
+    """Refuse a `lora_request` the engine could not serve, before it is queued: LoRA not enabled, not a
+    `LoRARequest`, or an adapter whose config or tensors do not fit (`validate_lora_adapter`, chapter 30j:
+    bad `lora_path`, rank over `max_lora_rank`, unknown `target_modules`). Raises ValueError naming the
+    field. Source: vLLM v0.15 v1/engine/input_processor.py `_validate_lora`."""
+    if lora_request is None:
+        return
+    from minivllm.lora.models import validate_lora_adapter
+    from minivllm.lora.request import LoRARequest
+
+    lora_config = getattr(self.vllm_config, "lora_config", None)
+    if lora_config is None:
+        name = getattr(lora_request, "lora_name", lora_request)
+        raise ValueError(
+            f"lora_request: got adapter {name!r} but LoRA is not enabled; start with --enable-lora"
+        )
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest; got {type(lora_request).__name__}")
+    validate_lora_adapter(lora_request, lora_config, self.model_config.hf_text_config)
+
 # %% ../../../nbs/25_input_processor.ipynb #9da6705d
 @patch
 def process_inputs(
@@ -256,6 +278,7 @@ def process_inputs(
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a str; got {type(request_id).__name__}")
     self._validate_params(params, priority)
+    self._validate_lora(lora_request)
     if isinstance(prompt, dict):
         cache_salt = cache_salt or prompt.get("cache_salt")
     mm_inputs = self._process_multimodal(prompt)
