@@ -91,6 +91,11 @@ class EngineArgs:
     disable_chunked_mm_input: bool = False
     disable_hybrid_kv_cache_manager: bool | None = None  # None: off only for a KV connector without HMA
     allowed_local_media_path: str | None = None
+    # multi-LoRA (chapters 30e-30k)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         # ModelConfig / CacheConfig check these again; here they fail before the embedded model is converted
@@ -229,6 +234,23 @@ def _check_parallel_sizes(model_config: ModelConfig, tp: int, pp: int, backend: 
     if layers and pp > layers:
         raise ValueError(f"pipeline_parallel_size: {pp} is more than the model's {layers} layers")
 
+# %% ../../nbs/29a_arg_utils.ipynb #67dd9b900d47114f
+@patch
+def create_lora_config(self: EngineArgs, model_config: ModelConfig, parallel_config: ParallelConfig) -> Any:
+    """A `LoRAConfig` (chapter 30f) with `enable_lora`, else None. Raises ValueError naming the flag for
+    LoRA with a multimodal model or with tensor / pipeline parallelism (not supported yet)."""
+    if not self.enable_lora:
+        return None
+    from minivllm.lora.config import LoRAConfig
+
+    if model_config.is_multimodal_model:
+        raise ValueError("enable_lora: LoRA on multimodal models is not supported by minivllm")
+    if parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("enable_lora: not supported with tensor_parallel_size or pipeline_parallel_size > 1")
+    return LoRAConfig(
+        max_lora_rank=self.max_lora_rank, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras
+    )
+
 # %% ../../nbs/29a_arg_utils.ipynb #d4bf0d3d
 def _sim_cost_model(simulate: Any) -> dict | None:
     "`simulate` as `ParallelConfig.sim_cost_model`: a dict, JSON text, a `CostModel` (`to_dict()`), or None."
@@ -299,6 +321,7 @@ def create_engine_config(self: EngineArgs, usage_context: Any = None) -> VllmCon
         parallel_config=parallel_config,
         device_config=DeviceConfig(self.device),
         compilation_config=self.create_compilation_config(),
+        lora_config=self.create_lora_config(model_config, parallel_config),
         speculative_config=self.create_speculative_config(model_config, parallel_config),
         kv_transfer_config=self.create_kv_transfer_config(),
         ec_transfer_config=self.create_ec_transfer_config(),
