@@ -62,6 +62,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     # residency of sampled blocks evicted since the last snapshot (`KVCacheEvictionEvent`s, chapter 17)
     kv_cache_eviction_events: list = field(default_factory=list)
+    # speculative decoding (chapter 43d): a SpecDecodingStats of the drafts verified since the last snapshot
+    spec_decoding_stats: Any = None
 
 # %% ../../../nbs/22_metrics_stats.ipynb #0208e392
 @dataclass
