@@ -103,7 +103,11 @@ class InputBatch:
         self.top_k = buf(torch.int64)
         self.frequency_penalties, self.presence_penalties = buf(torch.float32), buf(torch.float32)
         self.repetition_penalties = buf(torch.float32)
+        # LoRA (chapter 43a): the adapter id of each row (0: the base model) and the requests behind the ids
+        self.request_lora_mapping = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_id_to_lora_request: dict[int, Any] = {}
         self._per_row = [
+            self.request_lora_mapping,
             self.num_tokens,
             self.num_prompt_tokens,
             self.num_computed_tokens_cpu,
@@ -188,6 +192,10 @@ def add_request(self: InputBatch, request: CachedRequestState) -> int:
     self.num_prompt_tokens[idx], self.num_tokens[idx] = n_prompt, n_prompt + n_out
     self.num_computed_tokens_cpu[idx] = request.num_computed_tokens
     self.block_table.add_row(request.block_ids, idx)
+    lora = request.lora_request
+    self.request_lora_mapping[idx] = 0 if lora is None else lora.lora_int_id
+    if lora is not None:
+        self.lora_id_to_lora_request[lora.lora_int_id] = lora
     sp = request.sampling_params
     if sp is not None:
         self._add_sampling_params(idx, req_id, sp, request.generator)
@@ -314,6 +322,19 @@ def swap_states(self: InputBatch, i1: int, i2: int) -> None:
             d[i2] = v1
         if v2 is not None:
             d[i1] = v2
+
+# %% ../../../nbs/42_input_batch.ipynb #f5f30991877459c9
+@patch
+def make_lora_inputs(
+    self: InputBatch, num_scheduled_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, set]:
+    """LoRA inputs of the step (chapter 43a): (prompt_lora_mapping (num_reqs,) int64, token_lora_mapping
+    (sum(num_scheduled_tokens),) int64 = each row's adapter id repeated by its scheduled tokens, the set of
+    `LoRARequest`s in use). Source: vLLM v0.15 v1/worker/gpu_input_batch.py `make_lora_inputs`."""
+    prompt_lora_mapping = self.request_lora_mapping[: self.num_reqs].copy()
+    token_lora_mapping = np.repeat(prompt_lora_mapping, num_scheduled_tokens)
+    active = {self.lora_id_to_lora_request[int(i)] for i in np.unique(prompt_lora_mapping) if i > 0}
+    return prompt_lora_mapping, token_lora_mapping, active
 
 # %% ../../../nbs/42_input_batch.ipynb #70cef63f
 @patch
