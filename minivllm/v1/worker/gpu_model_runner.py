@@ -46,6 +46,7 @@ from ..utils import CpuGpuBuffer, is_pin_memory_available
 from .ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 from .gpu_input_batch import CachedRequestState, InputBatch
 from .kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from .lora_model_runner_mixin import LoRAModelRunnerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def get_attn_backend_of(layer: nn.Module, device: torch.device | str | None = No
     return backend
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #ae56c9c4
-class GPUModelRunner(KVConnectorModelRunnerMixin, ECConnectorModelRunnerMixin):
+class GPUModelRunner(LoRAModelRunnerMixin, KVConnectorModelRunnerMixin, ECConnectorModelRunnerMixin):
     """Runs the model for the scheduler's steps on `device` (cuda or cpu).
 
     Holds `requests` (req_id -> CachedRequestState), the persistent `input_batch`, per-token buffers
@@ -107,6 +108,7 @@ class GPUModelRunner(KVConnectorModelRunnerMixin, ECConnectorModelRunnerMixin):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str):
         self.vllm_config = vllm_config
+        self.lora_config = getattr(vllm_config, "lora_config", None)  # multi-LoRA (chapter 43a)
         self.kv_connector = None  # the worker-side KV connector, set by the Worker (chapter 47)
         # the worker-side encoder-cache connector (chapter 47f); an ec_producer is encoder-only (no KV cache)
         self.ec_connector = ensure_ec_transfer_initialized(vllm_config)
@@ -175,6 +177,8 @@ def load_model(self: GPUModelRunner) -> None:
     from minivllm.model_executor.model_loader import get_model
 
     self.model = get_model(vllm_config=self.vllm_config)
+    if self.lora_config is not None:  # wrap the projections with LoRA layers (chapter 43a)
+        self.model = self.load_lora_model(self.model, self.vllm_config, self.device)
     if self.drafter is not None:
         self._load_drafter()
 
@@ -497,6 +501,13 @@ from minivllm.v1.cudagraph_dispatcher import (
 def _resolve_cudagraph_mode(self: GPUModelRunner) -> CUDAGraphMode:
     "The configured mode lowered to what this runner can capture (on the CPU: `_cpu_graph_mode`)."
     mode = self.vllm_config.compilation_config.cudagraph_mode
+    if self.lora_config is not None and mode != CUDAGraphMode.NONE:
+        logger.info(
+            "cudagraph_mode=%s with LoRA: no graphs (a graph would replay the adapter slots it was captured "
+            "with); every step runs eagerly",
+            mode.name,
+        )
+        return CUDAGraphMode.NONE
     builders = [ag.get_metadata_builder() for ags in self.attn_groups for ag in ags]
     if self.device.type == "cpu":
         return self._cpu_graph_mode(mode, builders)
@@ -881,6 +892,7 @@ def execute_model(
     if self.supports_mm_inputs and pp.is_first_rank:  # a consumer's EC connector loads on entering
         with self.maybe_get_ec_connector_output(scheduler_output, self.encoder_cache) as ec_connector_output:
             inputs_embeds, mm_prefix_range = self._prepare_mm_inputs(scheduler_output, total)
+    self.set_active_loras(self.input_batch, num_scheduled)  # LoRA: per-token adapters (chapter 43a)
     mode, desc = self._dispatch_cudagraph(num_reqs, total, num_scheduled)  # (NONE, None): eager
     if inputs_embeds is not None or spec_decode_metadata is not None:  # image and draft steps run eagerly
         mode, desc = CUDAGraphMode.NONE, None
@@ -906,6 +918,7 @@ def execute_model(
             hidden_states = model(ids, pos)
         else:  # a later pipeline stage starts from the previous stage's activations
             hidden_states = model(ids, pos, IntermediateTensors(pp.recv_tensor_dict(device=self.device)))
+    self.clear_active_loras()
     if not pp.is_last_rank:  # hand them on; the last stage computes logits and samples
         pp.send_tensor_dict(hidden_states.tensors)
         return None
