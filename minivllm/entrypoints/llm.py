@@ -118,6 +118,11 @@ def _validate_and_add_requests(
     if priority is not None and len(priority) != len(prompts):
         raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
     all_params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if isinstance(lora_request, (list, tuple)) and len(lora_request) != len(prompts):
+        raise ValueError(
+            f"lora_request: got {len(lora_request)} for {len(prompts)} prompts; they must be the same length"
+        )
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
     added: list[str] = []
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, all_params)):
@@ -125,7 +130,7 @@ def _validate_and_add_requests(
                 raise ValueError(f"sampling_params must be SamplingParams; got {type(sp).__name__}")
             sp = sp.clone()
             sp.output_kind = RequestOutputKind.FINAL_ONLY  # offline: only the finished result matters
-            added.append(self._add_request(prompt, sp, lora_request, priority[i] if priority else 0))
+            added.append(self._add_request(prompt, sp, loras[i], priority[i] if priority else 0))
     except BaseException:
         if added:
             self.llm_engine.abort_request(added, internal=False)
