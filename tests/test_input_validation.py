@@ -221,3 +221,19 @@ def test_too_small_kv_cache_says_what_to_raise(ckpt):
     with pytest.raises(ValueError) as e:
         LLM(ckpt, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1000, device="cpu")
     assert "--kv-cache-memory-bytes (at least" in str(e.value) and "gpu_memory_utilization" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("MINIVLLM_CPU_ONEDNN_GEMM", "false", ["MINIVLLM_CPU_ONEDNN_GEMM='false': must be 0, 1"]),
+    ("MINIVLLM_CPU_OPS", "off", ["MINIVLLM_CPU_OPS='off': must be 0, 1"]),
+    ("MINIVLLM_CPU_ATTENTION", "2", ["MINIVLLM_CPU_ATTENTION='2': must be 0, 1"]),
+    ("MINIVLLM_MAX_IMAGE_PIXELS", "lots", ["MINIVLLM_MAX_IMAGE_PIXELS='lots': must be an int >= 1"]),
+])
+def test_cli_bad_environment_gives_one_error_line(ckpt, name, value, words, monkeypatch, capsys):
+    "A switch outside its allowed values stops the CLI before the model loads: exit 2, one `error:` line."
+    from minivllm.entrypoints.cli.main import main
+    monkeypatch.setenv(name, value)
+    rc = main(["generate", "hi", "--model", ckpt, "--max-tokens", "1", "--max-model-len", "64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    for w in words: assert w in err, err
