@@ -200,8 +200,10 @@ class ModelConfig:
             self.generation_config = json.loads(gen.read_text())
         auto = self.dtype == "auto"
         self.dtype = resolve_dtype(self.dtype, self.hf_config)
-        if auto and not torch.cuda.is_available():  # the engine runs on the CPU (DeviceConfig "auto")
-            self.dtype = resolve_auto_dtype_for_cpu(self.dtype)
+        if not torch.cuda.is_available():  # the engine runs on the CPU (DeviceConfig "auto")
+            cpu_flags()  # a MINIVLLM_CPU_FLAGS naming no flag is a ValueError here, before any process starts
+            if auto:
+                self.dtype = resolve_auto_dtype_for_cpu(self.dtype)
         limit = self.get_max_position_embeddings()
         if self.max_model_len is None:
             self.max_model_len = limit
