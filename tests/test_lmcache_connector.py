@@ -7,7 +7,10 @@ lacks (scheduled tokens are counted). Faults: Redis stopped between the lookup a
 disk file, a CPU tier too small for the working set; keys: two processes agree, another model, dtype or
 cache_salt never shares. Untrusted tiers (issue 30): forged headers, a 12-byte value, another model's chunk
 and a Redis key of the wrong type are deleted misses; a full disk (simulated ENOSPC, and a real 1 MiB tmpfs
-where root may mount one) leaves no temporary file. Redis tests start a private `redis-server` on a free port.
+where root may mount one) leaves no temporary file. Layer-wise mode (issue 30 item 10): the same tokens as
+the synchronous mode and no connector, cold and warm; a poisoned chunk is a miss; a store that stalls past
+`blocking_timeout_secs` fails its loads (recomputed, same tokens) and the next step loads again.
+Redis tests start a private `redis-server` on a free port.
 """
 
 import errno
@@ -176,8 +179,11 @@ def _run(ckpt, kvt, prompts=PROMPTS, **kw):
     return tokens, scheduled, stats
 
 
-def test_cpu_tier_cold_then_warm_in_one_engine(ckpt, reference):
-    engine = Engine(ckpt, _kvt(local_cpu=True, max_local_cpu_size=0.01))
+@pytest.mark.parametrize("layerwise", [False, True], ids=["synchronous", "layerwise"])
+def test_cpu_tier_cold_then_warm_in_one_engine(ckpt, reference, layerwise):
+    "Both modes (loads before the forward, or layer by layer beside it) give the no-connector tokens."
+    engine = Engine(ckpt, _kvt(local_cpu=True, max_local_cpu_size=0.01, use_layerwise=layerwise))
+    assert engine.connector._worker.layerwise is layerwise
     try:
         cold, cold_scheduled = engine.generate()
         warm, warm_scheduled = engine.generate()
@@ -359,8 +365,9 @@ def _is_valid_or_gone(blob: bytes | None) -> bool:
     return tuple(kv.shape) == (2, 2, CHUNK, 2, 16)
 
 
-def test_poisoned_disk_entries_are_deleted_misses(ckpt, reference, tmp_path):
-    kvt = dict(local_disk=str(tmp_path), max_local_disk_size=0.01)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["synchronous", "layerwise"])
+def test_poisoned_disk_entries_are_deleted_misses(ckpt, reference, tmp_path, layerwise):
+    kvt = dict(local_disk=str(tmp_path), max_local_disk_size=0.01, use_layerwise=layerwise)
     _run(ckpt, _kvt(**kvt))
     files = sorted(tmp_path.glob("*.kvchunk"))
     assert len(files) == 3  # prompt 0's two chunks (prompt 1 shares them), prompt 2's one
@@ -480,3 +487,34 @@ def small_tmpfs(tmp_path):
 def test_full_tmpfs_leaves_no_temporary_files(ckpt, reference, small_tmpfs):
     _full_disk_run(ckpt, reference, small_tmpfs)
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
+
+
+def test_layerwise_stalled_store_times_out_and_recomputes(ckpt, reference):
+    "A store read hanging past blocking_timeout_secs: the step recomputes, nothing hangs, later loads work."
+    import threading
+
+    kvt = _kvt(local_cpu=True, max_local_cpu_size=0.01, use_layerwise=True, blocking_timeout_secs=0.2)
+    engine = Engine(ckpt, kvt)
+    release = threading.Event()
+    try:
+        assert engine.generate()[0] == reference  # cold: stores the chunks
+        store = engine.store
+        get = store.get
+
+        def stalled_get(key):
+            release.wait(30)  # far past the 0.2 s timeout; released below
+            return get(key)
+
+        store.get = stalled_get
+        tokens, scheduled = engine.generate()
+        assert tokens == reference
+        # the loads failed: every prompt token was computed at least once (a load would have saved `hits`)
+        assert scheduled >= sum(map(len, PROMPTS)) + DECODE
+        hits = sum(_stored_hit(len(p)) for p in PROMPTS)
+        release.set()
+        store.get = get
+        warm, warm_scheduled = engine.generate()
+        assert warm == reference and warm_scheduled == sum(map(len, PROMPTS)) - hits + DECODE
+    finally:
+        release.set()
+        engine.shutdown()
