@@ -141,6 +141,16 @@ class Scheduler:
         if ect is not None and ect.is_ec_transfer_instance:
             self.ec_connector = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.SCHEDULER)
         self.is_encoder_only = ect is not None and ect.is_ec_producer_only
+        # speculative decoding (chapter 43c): k draft tokens per request and step; a draft model also writes
+        # the KV of the tokens it proposes, so its requests get k lookahead slots
+        self.speculative_config = getattr(vllm_config, "speculative_config", None)
+        self.num_spec_tokens = self.num_lookahead_tokens = 0
+        if self.speculative_config is not None:
+            self.num_spec_tokens = self.speculative_config.num_speculative_tokens
+            if self.speculative_config.method == "draft_model":
+                self.num_lookahead_tokens = self.num_spec_tokens
+        self._scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        self._spec_decoding_stats = None  # a SpecDecodingStats until the next make_stats
 
 # %% ../../../../nbs/23_scheduler.ipynb #1b0f13f7
 @patch
@@ -277,6 +287,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     self._encoder_budget = self.max_num_encoder_input_tokens  # this step's encoder work, in embeddings
     self._scheduled_encoder_inputs: dict[str, list[int]] = {}
     self._external_load_encoder_inputs: dict[str, list[int]] = {}
+    self._scheduled_spec_decode_tokens = {}
     scheduled_running, preempted, token_budget = self._schedule_running(
         self.max_num_scheduled_tokens, now, num_scheduled_tokens, new_block_ids
     )
@@ -319,6 +330,7 @@ def _preempt_request(self: Scheduler, request: Request, timestamp: float) -> Non
     self.encoder_cache_manager.free(request)
     request.status = RequestStatus.PREEMPTED
     request.num_computed_tokens = 0
+    request.spec_token_ids = []  # proposed for a context that is gone from the cache
     request.num_preemptions += 1
     self.num_preemptions += 1
     if self.log_stats:
@@ -452,7 +464,9 @@ def _schedule_running(
             req_index += 1
             continue
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_blocks is not None:
                 break
             victim = self._pick_victim()
@@ -460,6 +474,7 @@ def _schedule_running(
                 scheduled.remove(victim)
                 token_budget += num_scheduled_tokens.pop(victim.request_id)
                 new_block_ids.pop(victim.request_id, None)
+                self._scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 self._unschedule_encoder_inputs(victim)
                 req_index -= 1
             self._preempt_request(victim, now)
@@ -472,6 +487,8 @@ def _schedule_running(
         self._allocate_encoder_inputs(request, encoder_inputs, encoder_budget, external_inputs)
         new_block_ids[request.request_id] = new_blocks.get_block_ids()
         num_scheduled_tokens[request.request_id] = num_new_tokens
+        if request.spec_token_ids:
+            self._schedule_spec_tokens(request, num_new_tokens)
         token_budget -= num_new_tokens
         req_index += 1
     return scheduled, preempted, token_budget
@@ -730,6 +747,7 @@ def _make_scheduler_output(
         finished_req_ids=self.finished_req_ids,
         preempted_req_ids={r.request_id for r in preempted},
         scheduled_encoder_inputs=self._scheduled_encoder_inputs,
+        scheduled_spec_decode_tokens=self._scheduled_spec_decode_tokens,
         free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
     )
     if self.connector is not None:
@@ -793,6 +811,9 @@ def update_from_output(
             self._finish_with_error(request, message)
             continue
         new_token_ids = list(sampled[req_index]) if sampled else []
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+        if scheduled_spec and new_token_ids:  # the rejected drafts' KV slots are written again next step
+            self._update_spec_decode_progress(request, len(scheduled_spec), len(new_token_ids) - 1)
         is_stopped = False
         if new_token_ids:
             new_token_ids, is_stopped = self._update_request_with_output(request, new_token_ids)
@@ -803,6 +824,8 @@ def update_from_output(
         )
         if is_stopped:
             stopped.append((request, output))
+        elif model_runner_output.spec_token_ids:
+            self._set_spec_token_ids(request, model_runner_output.spec_token_ids[req_index])
         if output is not None:
             outputs[request.client_index].append(output)
     if stopped:
@@ -828,6 +851,49 @@ def _update_request_with_output(
         if check_stop(request, self.max_model_len):
             return new_token_ids[: i + 1], True
     return new_token_ids, False
+
+# %% ../../../../nbs/23_scheduler.ipynb
+@patch
+def _schedule_spec_tokens(self: Scheduler, request: Request, num_new_tokens: int) -> None:
+    "Move the drafts that fit into this step's `scheduled_spec_decode_tokens`; the rest are dropped."
+    num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+    if num_spec > 0:
+        self._scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+    request.spec_token_ids = []
+
+
+@patch
+def _update_spec_decode_progress(
+    self: Scheduler, request: Request, num_draft_tokens: int, num_accepted: int
+) -> None:
+    "Forget the rejected drafts' computed tokens and count the draft in the interval's `SpecDecodingStats`."
+    request.num_computed_tokens -= num_draft_tokens - num_accepted
+    if not self.log_stats:
+        return
+    if self._spec_decoding_stats is None:
+        from minivllm.v1.spec_decode.metrics import SpecDecodingStats
+
+        self._spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+    self._spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
+
+
+@patch
+def _set_spec_token_ids(self: Scheduler, request: Request, spec_token_ids: list[int]) -> None:
+    "The next step's drafts of `request`, cut to what `max_tokens` and `max_model_len` leave room for."
+    if not spec_token_ids or request.use_structured_output:
+        request.spec_token_ids = []
+        return
+    room = self.max_model_len - 1 - request.num_tokens
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - request.num_output_tokens - 1)
+    request.spec_token_ids = list(spec_token_ids[: max(room, 0)])
+
+
+@patch
+def _take_spec_decoding_stats(self: Scheduler):
+    "The interval's `SpecDecodingStats` (None if nothing was drafted), reset for the next one."
+    stats, self._spec_decoding_stats = self._spec_decoding_stats, None
+    return stats
 
 # %% ../../../../nbs/23_scheduler.ipynb #fa6b0606
 @patch
@@ -1006,6 +1072,7 @@ def make_stats(self: Scheduler) -> SchedulerStats | None:
         connector_prefix_cache_stats=connector_stats,
         kv_connector_stats=kv_connector_stats,
         num_preemptions=self.num_preemptions,
+        spec_decoding_stats=self._take_spec_decoding_stats(),
         kv_cache_eviction_events=self.kv_metrics_collector.drain_events()
         if self.kv_metrics_collector
         else [],
