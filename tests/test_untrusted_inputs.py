@@ -116,7 +116,7 @@ def _vlm(ckpt, **kw) -> Server:
 
 @pytest.fixture(scope="module")
 def vlm(gemma_ckpt):
-    "The tiny Gemma 3 with no --limit-mm-per-prompt: the default (128 // (4 + 2) = 21 images) applies."
+    "The tiny Gemma 3 with no --limit-mm-per-prompt: the default (128 // 10 positions an image = 12) applies."
     srv = _vlm(gemma_ckpt)
     yield srv
     srv.stop()
@@ -213,13 +213,21 @@ def test_only_common_raster_formats_are_opened(vlm):
 
 
 def test_default_per_prompt_limit(vlm):
-    urls = [data_url(small_png(i)) for i in range(22)]
+    """An image of the tiny checkpoint takes 10 prompt positions (4 soft tokens, 2 markers, 4 newlines, as
+    its tokenizer spells them): 12 fit in max_model_len 128. The estimate was 4 + 2 = 6 (21 images)."""
+    from minivllm.multimodal.processing import get_num_tokens_per_image
+
+    assert get_num_tokens_per_image(vlm.llm.model_config) == 10
+    urls = [data_url(small_png(i)) for i in range(13)]
     body = _bad_request(vlm, images_message(urls))
     assert body["param"] == "messages"
     assert (
-        "22 image(s) in one prompt; at most 21 are allowed "
-        "(each takes at least 6 of max_model_len 128 tokens)"
+        "13 image(s) in one prompt; at most 12 are allowed "
+        "(each takes at least 10 of max_model_len 128 tokens)"
     ) in body["message"], body
+    # the count is refused before any image is decoded: 13 parts that are not images get the same answer
+    junk = images_message(["data:image/png;base64,@@@"] * 13)
+    assert "13 image(s) in one prompt; at most 12" in _bad_request(vlm, junk)["message"]
     r = vlm.client.chat.completions.create(
         model="tiny", messages=images_message(urls[:2]), max_completion_tokens=2
     )
