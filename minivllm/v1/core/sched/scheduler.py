@@ -493,6 +493,24 @@ def _schedule_running(
         req_index += 1
     return scheduled, preempted, token_budget
 
+# %% ../../../../nbs/23_scheduler.ipynb #2480178e59e3b89e
+@patch
+def _scheduled_lora_ids(self: Scheduler, num_scheduled_tokens: dict[str, int]) -> set[int]:
+    "LoRA ids of the requests already scheduled this step (the running ones)."
+    loras = (self.requests[rid].lora_request for rid in num_scheduled_tokens if rid in self.requests)
+    return {lora.lora_int_id for lora in loras if lora is not None}
+
+
+@patch
+def _exceeds_max_loras(self: Scheduler, request: Request, scheduled_loras: set[int]) -> bool:
+    """Whether admitting `request` would put more than `max_loras` adapters in this step (the runner has
+    that many slots; chapter 30j). Source: vLLM v0.15 v1/core/sched/scheduler.py `schedule` (max_loras)."""
+    lora_config = getattr(self.vllm_config, "lora_config", None)
+    lora = request.lora_request
+    if lora_config is None or lora is None or lora.lora_int_id in scheduled_loras:
+        return False
+    return len(scheduled_loras) >= lora_config.max_loras
+
 # %% ../../../../nbs/23_scheduler.ipynb #b9b0f91f
 @patch
 def _schedule_waiting(
@@ -507,12 +525,16 @@ def _schedule_waiting(
     scheduled_new: list[Request] = []
     scheduled_resumed: list[Request] = []
     skipped = create_request_queue(self.policy)
+    scheduled_loras = self._scheduled_lora_ids(num_scheduled_tokens)
     while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
         request = self.waiting.peek_request()
         if not self._is_ready(request):
             self.waiting.pop_request()
             if not request.is_finished():
                 skipped.prepend_request(request)  # its KV is still arriving, or its grammar compiling
+            continue
+        if self._exceeds_max_loras(request, scheduled_loras):  # its adapter would be one slot too many
+            skipped.prepend_request(self.waiting.pop_request())
             continue
         resumed = request.status == RequestStatus.PREEMPTED
         hit = self._get_computed_tokens(request)
@@ -554,6 +576,8 @@ def _schedule_waiting(
         self._admit(request, num_new_tokens, num_computed, now, new_block_ids, num_scheduled_tokens)
         self._allocate_encoder_inputs(request, encoder_inputs, encoder_budget, external_inputs)
         (scheduled_resumed if resumed else scheduled_new).append(request)
+        if request.lora_request is not None:
+            scheduled_loras.add(request.lora_request.lora_int_id)
         token_budget -= num_new_tokens
     if skipped:
         self.waiting.prepend_requests(skipped)
@@ -852,7 +876,7 @@ def _update_request_with_output(
             return new_token_ids[: i + 1], True
     return new_token_ids, False
 
-# %% ../../../../nbs/23_scheduler.ipynb
+# %% ../../../../nbs/23_scheduler.ipynb #acae54e37e7d407bbb7b55eff062a284
 @patch
 def _schedule_spec_tokens(self: Scheduler, request: Request, num_new_tokens: int) -> None:
     "Move the drafts that fit into this step's `scheduled_spec_decode_tokens`; the rest are dropped."
