@@ -1,0 +1,115 @@
+"""The CPU attention kernel alone, before and after the (token, head) split and the AVX512-BF16 dot products.
+
+"before" is `kernels/cpu_attention.py` as of git revision `--baseline` (the kernel that gave each token to
+one thread), built here under its own name; "after" is the working tree's kernel, once with every CPU flag
+and once with `avx512_bf16` hidden from its path choice (the generic bfloat16 loop, split the same way).
+Each case times one call (median of `--iters` after warm-up) on the same random paged cache:
+
+- decode 1: one decoding sequence (a single stream), 4096 cached tokens;
+- decode 16: sixteen sequences of 1024;
+- prefill 256: one 256-token prompt.
+
+for bfloat16 and float32, head sizes 64 and 128 (9 query heads over 3 KV heads, SmolLM2's grouping), with
+`torch.get_num_threads()` threads. Ratios are before / after (above 1: faster now). Prints the CPU flags and
+the load average around the run (run it on a quiet machine).
+
+    python benchmarks/cpu_attention_split.py [--baseline 2e0f23b] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+import kernels.cpu_attention as after  # noqa: E402
+from kernels.cpu_build import cpu_flags  # noqa: E402
+from minivllm.testing import make_common_attn_metadata  # noqa: E402
+
+
+def baseline_module(rev: str) -> types.ModuleType:
+    "kernels/cpu_attention.py at `rev`, imported as its own module (its library gets its own cache file)."
+    text = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu_attention.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    mod = types.ModuleType("kernels._cpu_attention_baseline")
+    mod.__package__ = "kernels"
+    exec(compile(text, f"{rev}:kernels/cpu_attention.py", "exec"), mod.__dict__)
+    return mod
+
+
+def case(name: str, query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, D: int):
+    g = torch.Generator().manual_seed(0)
+    bs, Hkv, Hq = 16, 3, 9
+    need = [-(-s // bs) for s in seq_lens]
+    nb = sum(need) + 4
+    free = torch.randperm(nb, generator=g).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    cm = make_common_attn_metadata(query_lens, seq_lens, tables, bs)
+    kv = torch.randn(2, nb, bs, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(cm.num_actual_tokens, Hq, D, generator=g).to(dtype)
+    return name, (q, kv[0], kv[1], cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, D**-0.5)
+
+
+def time_call(fn, args, iters: int) -> float:
+    q, kc, vc, qsl, sl, bt, scale = args
+    out = torch.empty_like(q)
+    for _ in range(3):
+        fn(q, kc, vc, out, qsl, sl, bt, scale)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(q, kc, vc, out, qsl, sl, bt, scale)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", default="2e0f23b", help="git revision of the kernel to compare with")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    before = baseline_module(args.baseline)
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
+    print(f"CPU flags: {' '.join(flags)}; threads {torch.get_num_threads()}; load {os.getloadavg()}")
+    print(f"{'case':28s} {'before':>9s} {'after':>9s} {'ratio':>6s} {'no-bf16dp':>9s} {'ratio':>6s}  path")
+    no_dp = " ".join(f for f in cpu_flags() if f != "avx512_bf16")
+    for dtype in (torch.bfloat16, torch.float32):
+        for D in (64, 128):
+            cases = [
+                case("decode 1", [1], [4096], dtype, D),
+                case("decode 16", [1] * 16, [1024] * 16, dtype, D),
+                case("prefill 256", [256], [256], dtype, D),
+            ]
+            for name, call in cases:
+                t_before = time_call(before.unified_attention_cpu, call, args.iters)
+                t_after = time_call(after.unified_attention_cpu, call, args.iters)
+                path = after.cpu_attention_path(dtype, D)
+                os.environ["MINIVLLM_CPU_FLAGS"] = no_dp
+                try:
+                    t_hidden = time_call(after.unified_attention_cpu, call, args.iters)
+                finally:
+                    del os.environ["MINIVLLM_CPU_FLAGS"]
+                label = f"{name}, {str(dtype)[6:]}, D={D}"
+                print(
+                    f"{label:28s} {t_before:8.3f}ms {t_after:8.3f}ms {t_before / t_after:6.2f} "
+                    f"{t_hidden:8.3f}ms {t_before / t_hidden:6.2f}  {path}"
+                )
+    print(f"load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
