@@ -512,3 +512,26 @@ def test_ipv4_format_refuses_leading_zeros(real):
 
     value = __import__("json").loads(r.choices[0].message.content)
     datetime.date.fromisoformat(value)  # a real day (xgrammar alone allows 30 and 31 in every month)
+
+
+def test_placeholder_text_from_clients_is_refused_with_or_without_images(vlm):
+    """`<start_of_image>` typed by a client: it was accepted without an image (an image marker with no image
+    behind it) and a 400 with one. Now one rule: message text holding an image placeholder is a 400 naming the
+    message, both ways; a raw prompt's markers must match its images, zero included."""
+    for text in ("look: <start_of_image>", "an <end_of_image> here", "<image_soft_token>"):
+        no_image = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+        with_image = images_message([data_url(small_png(1))])
+        with_image[0]["content"][-1]["text"] = text
+        for messages in (no_image, with_image):
+            body = _bad_request(vlm, messages)
+            assert body["param"] == "messages", body
+            assert "stands for an image in this model's prompts" in body["message"], body
+            assert "content[" in body["message"].split(":")[0], body  # names the part
+    body = _bad_request(vlm, [{"role": "user", "content": "plain string <start_of_image>"}])
+    assert body["message"].startswith("messages[0].content: contains <start_of_image>"), body
+    with pytest.raises(openai.BadRequestError) as e:
+        vlm.client.completions.create(model="tiny", prompt="x <start_of_image> y", max_tokens=2)
+    assert "prompt: has 1 <start_of_image> but no image" in e.value.body["message"], e.value.body
+    ok = vlm.client.completions.create(model="tiny", prompt="start of image", max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+    _still_serves(vlm)
