@@ -328,10 +328,13 @@ async def _add_request(
     params: SamplingParams,
     arrival_time: float | None,
     priority: int,
+    lora_request: Any = None,
 ) -> None:
     from minivllm.v1.engine.parallel_sampling import ParentRequest
 
-    request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority=priority)
+    request = self.input_processor.process_inputs(
+        request_id, prompt, params, arrival_time, lora_request=lora_request, priority=priority
+    )
     self.input_processor.assign_request_id(request)
     prompt_text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     if params.n == 1:
@@ -373,11 +376,13 @@ async def generate(
     request_id: str,
     priority: int = 0,
     arrival_time: float | None = None,
+    lora_request: Any = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """Submit one request and yield its `RequestOutput`s (shaped by `sampling_params.output_kind`).
 
     `prompt`: text or `{"prompt_token_ids": [...]}` (optionally with `"prompt"`). Raises `ValueError` for an
-    invalid request or a `request_id` already running, `EngineDeadError` if the engine died.
+    invalid request (a bad `lora_request` included) or a `request_id`
+    already running, `EngineDeadError` if the engine died.
     Source: vLLM v0.15 v1/engine/async_llm.py `AsyncLLM.generate`."""
     self._start()
     if request_id in self._collectors:
@@ -391,7 +396,7 @@ async def generate(
     self._req_stats[request_id] = RequestStateStats(arrival_time=time.monotonic())
     finished = False
     try:
-        await self._add_request(request_id, prompt, engine_params, arrival_time, priority)
+        await self._add_request(request_id, prompt, engine_params, arrival_time, priority, lora_request)
         while not finished:
             out = q.get_nowait() or await q.get()
             finished = out.finished
