@@ -4,6 +4,8 @@ core in its own process (which writes the file); tracing off installs nothing; a
 after the step that follows it, naming that step."""
 import os
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +66,9 @@ def test_traced_token_counts_add_up(ckpt, tmp_path, monkeypatch, multiprocess):
 
 def test_prefix_cache_hits_are_traced(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # trace_steps=True's file lands in tmp_path
     llm = LLM(ckpt, dtype="float32", max_model_len=128, block_size=16, trace_steps=True)
+    assert Path(llm.llm_engine.vllm_config.observability_config.trace_steps).parent == tmp_path
     shared = list(range(10, 42))  # two full blocks
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     llm.generate({"prompt_token_ids": shared + [7, 8]}, sp, use_tqdm=False)
@@ -72,7 +76,6 @@ def test_prefix_cache_hits_are_traced(ckpt, tmp_path, monkeypatch):
     steps = load_step_trace(llm)
     assert [s.prefix_cache_hit_tokens for s in steps if s.new_requests] == [0, 32]
     assert sum(s.num_prefill_tokens for s in steps) == 34 + 1  # the second prompt computed only its last token
-    os.unlink(llm.llm_engine.vllm_config.observability_config.trace_steps)
 
 
 def make_core(ckpt, **kw):
