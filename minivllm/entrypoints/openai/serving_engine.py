@@ -192,13 +192,22 @@ class OpenAIServing:
 # %% ../../../nbs/55_serving_engine.ipynb #a19c292f
 @patch
 async def _check_model(self: OpenAIServing, request: Any) -> ErrorResponse | None:
-    if request.model is None or self.models.is_base_model(request.model):
+    "None when `request.model` is unset, a served name or a served LoRA adapter; else a 400 naming `model`."
+    loras = getattr(self.models, "lora_requests", {})
+    if request.model is None or self.models.is_base_model(request.model) or request.model in loras:
         return None
     return create_error_response(
         f"The model `{request.model}` does not exist. Served models: "
-        f"{', '.join(self.models.served_model_names)}.",
+        f"{', '.join([*self.models.served_model_names, *loras])}.",
         param="model",
     )
+
+
+@patch
+def _maybe_get_adapter(self: OpenAIServing, request: Any) -> Any:
+    """The `LoRARequest` a request's `model` names (chapter 54), or None for the base model. Source: vLLM
+    v0.15 serving_engine.py `_maybe_get_adapters`."""
+    return getattr(self.models, "lora_requests", {}).get(request.model)
 
 
 @patch
