@@ -217,7 +217,9 @@ async def create_chat_completion(
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
-    gen = self.engine_client.generate(prompt, params, request_id, priority=request.priority)
+    gen = self.engine_client.generate(
+        prompt, params, request_id, priority=request.priority, lora_request=self._maybe_get_adapter(request)
+    )
     model_name = request.model or self.models.model_name
     if request.stream:
         try:

@@ -122,6 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 params,
                 f"{request_id}-{i}",
                 priority=request.priority,
+                lora_request=self._maybe_get_adapter(request),
             )
             for i, (text, ids, params) in enumerate(inputs)
         ]
