@@ -309,3 +309,47 @@ def test_cli_flag_parses():
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
     sc = EngineArgs.from_cli_args(args).create_speculative_config(None, __import__("minivllm.config").config.ParallelConfig())
     assert (sc.method, sc.num_speculative_tokens, sc.prompt_lookup_min) == ("ngram", 4, 5)
+
+
+def test_metrics_on_prometheus(target):
+    "The scheduler's SpecDecodingStats reach vllm:spec_decode_* through PrometheusStatLogger (what /metrics serves)."
+    from minivllm.v1.metrics.loggers import PrometheusStatLogger
+
+    path, prompts, max_tokens, _ = target
+    llm = make_llm(path, speculative_config={"model": path, "num_speculative_tokens": 3})
+    prom = PrometheusStatLogger("tiny")
+    assert b"spec_decode" not in prom.generate()  # none before the first draft, as in vLLM
+    sched = core(llm).scheduler
+    make_stats = sched.make_stats
+    seen = []
+
+    def tapped():
+        s = make_stats()
+        prom.record(s, None)
+        seen.append(s.spec_decoding_stats)
+        return s
+
+    sched.make_stats = tapped
+    generate(llm, prompts, max_tokens)
+    drafts = sum(s.num_drafts for s in seen if s)
+    accepted = sum(s.num_accepted_tokens for s in seen if s)
+    text = prom.generate().decode()
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(drafts)}' in text
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(accepted)}' in text  # all accepted
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(accepted)}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"}' in text
+    # the dict form a SchedulerStats takes across the engine-core process boundary is accepted too
+    first = next(x for x in seen if x)
+    prom.record(_as_wire(first), None)
+    again = prom.generate().decode()
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(drafts + first.num_drafts)}' in again
+
+
+def _as_wire(stats):
+    "A SchedulerStats-like object whose spec_decoding_stats is the msgpack-decoded dict."
+    import msgspec
+
+    from minivllm.v1.metrics.stats import SchedulerStats
+
+    d = msgspec.msgpack.decode(msgspec.msgpack.encode(stats))
+    return SchedulerStats(spec_decoding_stats=d)

@@ -11,6 +11,8 @@ import prometheus_client
 from fastcore.basics import patch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..spec_decode.metrics import SpecDecodingProm
+
 # %% auto #0
 __all__ = ['TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'KV_RESIDENCY_BUCKETS', 'build_1_2_5_buckets', 'PrometheusStatLogger']
 
@@ -169,6 +171,7 @@ class PrometheusStatLogger:
         self._make_histograms(histogram, token_buckets)
         self._make_kv_residency_histograms(histogram)
         self._last_preemptions = 0
+        self.spec_decoding_prom: SpecDecodingProm | None = None  # vllm:spec_decode_*, made at the first draft
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #dece05c1
 @patch
@@ -283,6 +286,17 @@ def _record_connector(self: PrometheusStatLogger, scheduler_stats: Any) -> None:
             self._kv_connector_counters[name] = self._counter(f"vllm:kv_connector_{name}", doc)
         self._kv_connector_counters[name].inc(value)
 
+
+@patch
+def _record_spec_decoding(self: PrometheusStatLogger, spec_decoding_stats: Any) -> None:
+    """Add a step's `SpecDecodingStats` (chapter 43d) to the `vllm:spec_decode_*` counters, made when the
+    first one arrives (as in vLLM, an engine without speculative decoding has none)."""
+    if spec_decoding_stats is None:
+        return
+    if self.spec_decoding_prom is None:
+        self.spec_decoding_prom = SpecDecodingProm(self.model_name, self.registry)
+    self.spec_decoding_prom.observe(spec_decoding_stats)
+
 # %% ../../../nbs/52_metrics_loggers.ipynb #74604164
 @patch
 def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_stats: Any | None) -> None:
@@ -297,6 +311,7 @@ def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_st
             self.counter_num_preempted_reqs.inc(total - self._last_preemptions)
         self._last_preemptions = max(self._last_preemptions, total)
         self._record_connector(scheduler_stats)
+        self._record_spec_decoding(getattr(scheduler_stats, "spec_decoding_stats", None))
         for event in getattr(scheduler_stats, "kv_cache_eviction_events", None) or ():
             self.histogram_kv_block_lifetime.observe(event.lifetime_seconds)
             self.histogram_kv_block_idle_before_evict.observe(event.idle_seconds)
