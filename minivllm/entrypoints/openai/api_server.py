@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'DEFAULT_MAX_REQUEST_BODY_BYTES', 'AuthenticationMiddleware', 'RequestSizeLimitMiddleware',
            'validation_error_response', 'error_type', 'http_error_response', 'internal_error_response', 'to_response',
            'build_app', 'health', 'metrics', 'show_version', 'show_available_models', 'create_completion',
-           'create_chat_completion', 'tokenize', 'detokenize', 'ServerThread', 'build_app_for_engine', 'watch_engine',
-           'DrainingServer', 'run_server']
+           'create_chat_completion', 'tokenize', 'detokenize', 'runtime_lora_updating_allowed', 'load_lora_adapter',
+           'unload_lora_adapter', 'ServerThread', 'build_app_for_engine', 'watch_engine', 'DrainingServer',
+           'run_server']
 
 # %% ../../../nbs/58_api_server.ipynb #5e67146b
 class AuthenticationMiddleware:
@@ -179,13 +180,20 @@ def build_app(
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    lora_modules: list | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine_client` (an `AsyncLLM`) under `served_model_names`.
     `max_model_len`: tokens per sequence (prompt + output); `trust_request_chat_template`: accept templates
-    sent in requests; `max_request_body_bytes`: larger bodies get a 413 (0: no limit).
+    sent in requests; `max_request_body_bytes`: larger bodies get a 413 (0: no limit); `lora_modules`: LoRA
+    adapters served as models (`LoRAModulePath`s, `--lora-modules`; ValueError for a bad one or without
+    `--enable-lora`).
     Source: vLLM v0.15 entrypoints/openai/api_server.py `build_app` + `init_app_state`."""
     app = FastAPI(title="minivllm OpenAI-compatible server", version=minivllm.__version__)
-    models = OpenAIServingModels(served_model_names, model_path, max_model_len)
+    models = OpenAIServingModels(
+        served_model_names, model_path, max_model_len, lora_modules, _lora_validator(engine_client)
+    )
+    for lora in models.lora_requests.values():  # --lora-modules: a bad adapter stops the start-up
+        models.lora_validator(lora)
     s = app.state
     s.engine_client, s.openai_serving_models = engine_client, models
     # one tokenizer thread for the app: a Hugging Face tokenizer must not run on two threads at once
@@ -205,6 +213,9 @@ def build_app(
     _add_exception_handlers(app)
     for route in _ROUTES:
         app.add_api_route(*route[:2], methods=route[2])
+    if runtime_lora_updating_allowed():  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        for route in _LORA_ROUTES:
+            app.add_api_route(*route[:2], methods=route[2])
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)  # added last: runs first
@@ -291,6 +302,48 @@ _ROUTES = [
     ("/v1/chat/completions", create_chat_completion, ["POST"]),
     ("/tokenize", tokenize, ["POST"]),
     ("/detokenize", detokenize, ["POST"]),
+]
+
+# %% ../../../nbs/58_api_server.ipynb #89d7a735794ab8d4
+import os
+
+from .serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+
+def runtime_lora_updating_allowed() -> bool:
+    "Env `MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING` (1, true, yes): serve /v1/load_lora_adapter and unload."
+    return os.environ.get("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true", "yes")
+
+
+def _lora_validator(engine_client: Any) -> Any:
+    """The front end's adapter check for this engine (chapter 30j: config, rank, tensors vs the model);
+    without --enable-lora every adapter is refused naming `enable_lora`."""
+    vllm_config = getattr(engine_client, "vllm_config", None)
+    lora_config = getattr(vllm_config, "lora_config", None)
+
+    def validate(lora: Any) -> None:
+        if lora_config is None:
+            raise ValueError("enable_lora: LoRA is not enabled; start the server with --enable-lora")
+        from minivllm.lora.models import validate_lora_adapter
+
+        validate_lora_adapter(lora, lora_config, vllm_config.model_config.hf_text_config)
+
+    return validate
+
+
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request):
+    result = await raw_request.app.state.openai_serving_models.load_lora_adapter(request)
+    return to_response(result) if isinstance(result, ErrorResponse) else Response(result, status_code=200)
+
+
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request):
+    result = await raw_request.app.state.openai_serving_models.unload_lora_adapter(request)
+    return to_response(result) if isinstance(result, ErrorResponse) else Response(result, status_code=200)
+
+
+_LORA_ROUTES = [
+    ("/v1/load_lora_adapter", load_lora_adapter, ["POST"]),
+    ("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"]),
 ]
 
 # %% ../../../nbs/58_api_server.ipynb #b113e556
@@ -409,6 +462,7 @@ def run_server(args: Any) -> None:
             args.chat_template,
             trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
             max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES),
+            lora_modules=getattr(args, "lora_modules", None),
         )
         names = app.state.openai_serving_models.served_model_names
         logger.info("serving %s on http://%s:%d", names, args.host, args.port)

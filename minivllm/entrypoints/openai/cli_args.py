@@ -12,7 +12,36 @@ from ...config import DTYPE_CHOICES  # the one list of --dtype values (vLLM's)
 from ..cli.main import MULTIMODAL_FLAGS, add_multimodal_args
 
 # %% auto #0
-__all__ = ['ENGINE_FLAGS', 'make_arg_parser', 'engine_args_kwargs', 'engine_args_from', 'load_chat_template']
+__all__ = ['ENGINE_FLAGS', 'parse_lora_module', 'make_arg_parser', 'engine_args_kwargs', 'engine_args_from', 'load_chat_template']
+
+# %% ../../../nbs/59_cli_serve.ipynb #73d67f079b7c3264
+def parse_lora_module(value: str) -> Any:
+    """One `--lora-modules` entry: `name=path` or a JSON object with `name`, `path` and optionally
+    `base_model_name`, as a `LoRAModulePath`. Raises `argparse.ArgumentTypeError` naming the flag otherwise.
+    Source: vLLM v0.15 entrypoints/openai/cli_args.py `LoRAParserAction`."""
+    import json
+
+    from minivllm.entrypoints.openai.serving_models import LoRAModulePath
+
+    if value.lstrip().startswith("{"):
+        try:
+            d = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {value!r} ({e})") from None
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("name"), str)
+            or not isinstance(d.get("path"), str)
+        ):
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules: a JSON entry needs string 'name' and 'path'; got {value!r}"
+            )
+        base = d.get("base_model_name")
+        return LoRAModulePath(d["name"], d["path"], base if isinstance(base, str) else None)
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path; got {value!r}")
+    return LoRAModulePath(name, path)
 
 # %% ../../../nbs/59_cli_serve.ipynb #34fbd834
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +86,15 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16 * 2**20,
         help="Larger request bodies are answered 413 before parsing (default 16 MiB; 0: no limit).",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served as models: name=path or JSON "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\' (needs --enable-lora).',
     )
     srv.add_argument(
         "--uvicorn-log-level",
@@ -106,6 +144,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="Write one JSON line per engine step to FILE (minivllm.v1.engine.step_trace.load_step_trace).",
+    )
+    eng.add_argument("--enable-lora", action="store_true", default=None, help="Serve LoRA adapters.")
+    eng.add_argument("--max-loras", type=int, default=None, help="LoRA adapters usable in one step (slots).")
+    eng.add_argument("--max-lora-rank", type=int, default=None, help="Largest adapter rank (8, 16, 32, ...).")
+    eng.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="Adapters kept loaded on the host (LRU)."
     )
     eng.add_argument(
         "--async-scheduling",
@@ -175,6 +219,10 @@ ENGINE_FLAGS = (
     "kv_events_config",
     "async_scheduling",
     "trace_steps",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
     *MULTIMODAL_FLAGS,
 )
 
