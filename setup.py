@@ -14,6 +14,7 @@ extras = {
     "dev": ["fastcore==1.8.18", "execnb==0.1.16", "astunparse", "watchdog", "asttokens",
             "PyYAML", "packaging", "pytest", "pytest-timeout", "hypothesis", "jupytext", "gguf",
             "openai",  # the official OpenAI client, used by tests/test_server.py
+            "peft==0.21.2",  # the LoRA reference (PeftModel) of tests/test_lora.py
             "redis",  # LMCacheConnectorV1's remote tier (tests/test_lmcache_connector.py)
             "ruff==0.17.6",  # `make lint` (pyproject.toml [tool.ruff])
             "xgrammar", "jsonschema",  # structured outputs and their tests
