@@ -353,3 +353,19 @@ def _as_wire(stats):
 
     d = msgspec.msgpack.decode(msgspec.msgpack.encode(stats))
     return SchedulerStats(spec_decoding_stats=d)
+
+
+def test_step_trace_records_acceptance(target, tmp_path):
+    from minivllm.v1.engine.step_trace import load_step_trace
+
+    path, prompts, max_tokens, _ = target
+    trace = tmp_path / "trace.jsonl"
+    llm = make_llm(path, speculative_config={"model": path, "num_speculative_tokens": 3}, trace_steps=str(trace))
+    generate(llm, prompts, max_tokens)
+    core(llm).step_tracer.close()
+    steps = load_step_trace(str(trace))
+    spec_steps = [s for s in steps if s.draft_tokens]
+    assert spec_steps and all(s.acceptance_rate is not None for s in spec_steps)
+    # the target as its own draft: every verified draft kept (drafts never reach past max_tokens)
+    assert all(s.num_accepted_tokens == sum(s.draft_tokens.values()) for s in spec_steps)
+    assert all(s.acceptance_rate is None for s in steps if not s.draft_tokens)

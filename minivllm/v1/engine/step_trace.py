@@ -52,6 +52,9 @@ class StepTrace:
     sample_tokens_s: float = 0.0
     update_s: float = 0.0
     between_s: float = 0.0
+    # speculative decoding (chapter 43c): drafts verified this step per request, and how many were kept
+    draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -60,6 +63,12 @@ class StepTrace:
     @property
     def num_decode_tokens(self) -> int:
         return sum(s[2] for s in self.scheduled)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        "Kept drafts / verified drafts of the step (None when the step verified none)."
+        n = sum(self.draft_tokens.values())
+        return self.num_accepted_tokens / n if n else None
 
     @property
     def prefix_cache_hit_tokens(self) -> int:
@@ -124,6 +133,7 @@ class StepTraceRecorder:
             rec.new_requests.append([nr.req_id, len(nr.prompt_token_ids), nr.num_computed_tokens, arrival])
         rec.preempted = sorted(scheduler_output.preempted_req_ids or ())
         rec.scheduled_encoder_inputs = dict(scheduler_output.scheduled_encoder_inputs)
+        rec.draft_tokens = {rid: len(d) for rid, d in scheduler_output.scheduled_spec_decode_tokens.items()}
         rec.num_running = len(scheduler.running)
         rec.num_waiting = len(scheduler.waiting)
         self._pending[id(scheduler_output)] = rec
@@ -150,6 +160,8 @@ def finish(
                 rec.finished.append(out.request_id)
     for entry in rec.scheduled:
         entry[3] = sampled.get(entry[0], 0)
+    # kept drafts = tokens reported - 1 (a stop inside the run counts only the tokens kept before it)
+    rec.num_accepted_tokens = sum(min(max(sampled.get(r, 0) - 1, 0), n) for r, n in rec.draft_tokens.items())
     kvm = scheduler.kv_cache_manager
     rec.kv_cache_usage = kvm.usage
     rec.num_free_blocks = kvm.block_pool.get_num_free_blocks()
