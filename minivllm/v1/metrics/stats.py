@@ -64,6 +64,9 @@ class SchedulerStats:
     kv_cache_eviction_events: list = field(default_factory=list)
     # speculative decoding (chapter 43d): a SpecDecodingStats of the drafts verified since the last snapshot
     spec_decoding_stats: Any = None
+    # LoRA (chapter 30e): adapter name -> requests running / waiting with it (vLLM's vllm:lora_requests_info)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 # %% ../../../nbs/22_metrics_stats.ipynb #0208e392
 @dataclass
