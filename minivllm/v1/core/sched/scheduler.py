@@ -1080,6 +1080,16 @@ def _make_engine_core_outputs(
     return engine_core_outputs
 
 
+def _lora_adapter_counts(requests) -> dict[str, int]:
+    "LoRA adapter name -> how many of `requests` use it (vLLM's running/waiting_lora_adapters)."
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 @patch
 def make_stats(self: Scheduler) -> SchedulerStats | None:
     "A `SchedulerStats` snapshot (None when `log_stats` is off)."
@@ -1097,6 +1107,8 @@ def make_stats(self: Scheduler) -> SchedulerStats | None:
         kv_connector_stats=kv_connector_stats,
         num_preemptions=self.num_preemptions,
         spec_decoding_stats=self._take_spec_decoding_stats(),
+        running_lora_adapters=_lora_adapter_counts(self.running),
+        waiting_lora_adapters=_lora_adapter_counts(self.waiting),
         kv_cache_eviction_events=self.kv_metrics_collector.drain_events()
         if self.kv_metrics_collector
         else [],
