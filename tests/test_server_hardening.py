@@ -146,10 +146,31 @@ def test_request_chat_template_with_trust(real):
      "response_format"),
     ("/v1/chat/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json")])
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    # vLLM extensions minivllm lacks: the protocol keeps unknown fields, so these were 200s ignoring them
+    ("/v1/completions", {"allowed_token_ids": [7]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"bad_words": ["the"]}, "bad_words"),
+    ("/v1/completions", {"truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"cache_salt": "tenant-a"}, "cache_salt"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search")])
 def test_unsupported_features(real, path, extra, param):
     body = {"model": "tiny", "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), **extra}
     assert _error(real, path, body)["param"] == param
+
+
+def test_off_values_of_unsupported_extensions_are_fine(real):
+    r = real.client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
+                                       extra_body={"use_beam_search": False, "bad_words": [], "length_penalty": 1.0})
+    assert r.usage.completion_tokens >= 1
+
+
+def test_text_part_that_is_not_a_string_is_a_400(real):
+    "A text part whose `text` is a number was a 500 (TypeError joining the parts); a bare string message too."
+    for messages, words in [([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                             "messages[0].content[0].text must be a string; got int"),
+                            (["hello"], "messages.0: Input should be a valid dictionary")]:
+        err = _error(real, "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": messages})
+        assert words in err["message"] and err["param"] == "messages", err
 
 
 def test_response_format_text_and_tool_choice_none_are_fine(real):

@@ -449,6 +449,9 @@ MALFORMED = [
     ),
     ({"type": "string", "format": "hostname"}, "string format 'hostname' is not enforced exactly"),
     ({"type": "string", "format": "ipv4", "pattern": "^1$"}, "`pattern` beside `format`"),
+    ({"type": "string", "maxLength": -1}, "`maxLength` must be a non-negative integer; got -1"),  # was ignored
+    ({"type": "object", "required": "a"}, "`required` must be a list of property names"),  # was ignored
+    ({"type": "string", "pattern": 5}, "`pattern` must be a string; got 5"),  # was a C++ type assertion
 ]
 
 
