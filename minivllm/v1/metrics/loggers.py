@@ -109,13 +109,27 @@ class PrometheusStatLogger:
     when not given). Source: vLLM v0.15 v1/metrics/loggers.py `PrometheusStatLogger`."""
 
     def __init__(
-        self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int | None = None
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int | None = None,
+        max_loras: int | None = None,
     ):
         prometheus_client.disable_created_metrics()  # process-wide, as vLLM does
         self.model_name = model_name
         token_buckets = build_1_2_5_buckets(max_model_len or 131072)
         self.registry = registry if registry is not None else CollectorRegistry()
         r, L = self.registry, ["model_name"]
+        # with LoRA: one series per (max_lora, waiting, running) adapter set, its value the last update time
+        self.max_loras = max_loras
+        self.gauge_lora_info = None
+        if max_loras is not None:
+            self.gauge_lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=r,
+            )
 
         def gauge(name, doc):
             return Gauge(name, doc, L, registry=r).labels(model_name)
@@ -312,6 +326,12 @@ def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_st
         self._last_preemptions = max(self._last_preemptions, total)
         self._record_connector(scheduler_stats)
         self._record_spec_decoding(getattr(scheduler_stats, "spec_decoding_stats", None))
+        if self.gauge_lora_info is not None:
+            self.gauge_lora_info.labels(
+                max_lora=str(self.max_loras),
+                waiting_lora_adapters=",".join(getattr(scheduler_stats, "waiting_lora_adapters", None) or {}),
+                running_lora_adapters=",".join(getattr(scheduler_stats, "running_lora_adapters", None) or {}),
+            ).set_to_current_time()
         for event in getattr(scheduler_stats, "kv_cache_eviction_events", None) or ():
             self.histogram_kv_block_lifetime.observe(event.lifetime_seconds)
             self.histogram_kv_block_idle_before_evict.observe(event.idle_seconds)
