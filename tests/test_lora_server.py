@@ -128,6 +128,17 @@ def test_runtime_load_unload_and_refusals(server, setup):
     assert _complete(client, "tiny") == expected["tiny"]
 
 
+def test_lora_requests_info_metric(server):
+    url, client = server
+    _complete(client, "sql")
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert lines, "no vllm:lora_requests_info series"
+    assert all('max_lora="2"' in line for line in lines)
+    assert any('running_lora_adapters="sql"' in line for line in lines), lines
+
+
 def test_runtime_updates_off_by_default(setup):
     path, adapters, _ = setup
     from minivllm.fake_client import make_fake_async_llm

@@ -207,7 +207,12 @@ def build_app(
         engine_client, models, max_model_len, **chat_args
     )
     # token-count buckets up to max_model_len
-    s.stat_logger = PrometheusStatLogger(models.model_name, max_model_len=max_model_len)
+    lora_config = getattr(getattr(engine_client, "vllm_config", None), "lora_config", None)
+    s.stat_logger = PrometheusStatLogger(
+        models.model_name,
+        max_model_len=max_model_len,
+        max_loras=lora_config.max_loras if lora_config is not None else None,  # vllm:lora_requests_info
+    )
     engine_client.stat_loggers.append(s.stat_logger)
 
     _add_exception_handlers(app)
