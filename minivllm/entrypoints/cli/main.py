@@ -133,6 +133,12 @@ def _add_engine_and_sampling_args(parser: argparse.ArgumentParser) -> None:
         help='KV cache events, JSON: \'{"enable_kv_cache_events": true, "publisher": "zmq"}\'',
     )
     eng.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"model": "DRAFT_FOLDER", "num_speculative_tokens": 3}\'',
+    )
+    eng.add_argument(
         "--trace-steps",
         default=None,
         metavar="FILE",
@@ -182,6 +188,7 @@ _ENGINE_FLAGS = (
     "kv_events_config",
     "async_scheduling",
     "trace_steps",
+    "speculative_config",
     *MULTIMODAL_FLAGS,
 )
 
