@@ -135,6 +135,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--ec-transfer-config", default=None, help="encoder-cache connector, ECTransferConfig JSON"
     )
     eng.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"model": "DRAFT_FOLDER", "num_speculative_tokens": 3}\'',
+    )
+    eng.add_argument(
         "--kv-events-config",
         default=None,
         help='KV cache events, JSON: \'{"enable_kv_cache_events": true, "publisher": "zmq"}\'',
@@ -219,6 +225,7 @@ ENGINE_FLAGS = (
     "kv_events_config",
     "async_scheduling",
     "trace_steps",
+    "speculative_config",
     "enable_lora",
     "max_loras",
     "max_lora_rank",
