@@ -97,6 +97,9 @@ def test_regex_and_choice_hold_on_a_random_model(tiny):
 
 def test_bad_constraint_is_refused_up_front(tiny):
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "nope"}}}))
-    with pytest.raises(ValueError, match="structured_outputs.json: cannot compile"):
+    with pytest.raises(ValueError, match="structured_outputs.json: .*#/properties/a: `type` 'nope'"):
         tiny.generate("hi", bad, use_tqdm=False)
+    uncompilable = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}))
+    with pytest.raises(ValueError, match="structured_outputs.json: cannot compile"):
+        tiny.generate("hi", uncompilable, use_tqdm=False)
     assert tiny.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
