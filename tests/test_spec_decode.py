@@ -156,6 +156,12 @@ def test_target_as_its_own_draft_accepts_everything(target, k):
     assert per_pos[0] == drafts  # every draft's first token accepted
     # each verifying step gives k + 1 tokens, so far fewer steps than tokens
     assert runner(llm).num_spec_steps < sum(max_tokens) / 2
+    # the draft keeps its own KV cache in the target's block tables: each token goes through it about once
+    # (prompt, outputs, and k - 1 one-token forwards per proposal), not the whole context per draft token
+    drafter = runner(llm).drafter
+    assert drafter.kv_mode is True
+    fed = sum(len(p) + m for p, m in zip(prompts, max_tokens))
+    assert drafter.num_draft_forward_tokens < fed + (k - 1) * drafts + drafts
 
 
 SETTINGS = {
