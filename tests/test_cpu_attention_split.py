@@ -2,9 +2,10 @@
 
 Every path against the torch reference backend on random paged steps: float32 (the AVX2 D=64 path and the
 generic loop) and bfloat16 (AVX512-BF16 dot products where this CPU has them, the generic loop with
-`avx512_bf16` hidden by `MINIVLLM_CPU_FLAGS`), head sizes 16 to 256, mixed prefill/decode steps with few
-tokens (one head per work item) and many (a token's heads per item), windows and soft-caps; the result does
-not depend on the thread count; a library built with the flag hidden has no AVX512-BF16 function at all.
+`avx512_bf16` hidden by `MINIVLLM_CPU_FLAGS`), head sizes 16 to 256, steps with few tokens (each token's
+keys split into parts of ~256 and merged: split-K) and many (a token per work item), windows and soft-caps;
+the result does not depend on the thread count; a library built with the flag hidden has no AVX512-BF16
+function at all.
 A path this CPU cannot run is skipped, saying why.
 """
 
@@ -32,8 +33,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-FEW = dict(query_lens=[1, 1, 3], seq_lens=[300, 17, 40])  # 5 tokens: one head per work item
-MANY = dict(query_lens=[9, 7, 1, 1, 1], seq_lens=[9, 27, 33, 16, 5])  # 19 tokens: a token's heads per item
+FEW = dict(query_lens=[1, 1, 3], seq_lens=[700, 17, 40])  # 5 tokens, 2 threads: split-K (700 keys: 3 parts)
+MANY = dict(query_lens=[9, 7, 1, 1, 1], seq_lens=[9, 27, 33, 16, 5])  # 19 tokens: a token per work item
 BF16_DP = "paged_attention_bf16_dp"
 
 
@@ -116,13 +117,13 @@ def test_window_and_soft_cap(path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["float32", "bfloat16-dp", "bfloat16-generic"])
 def test_split_does_not_change_the_result(path, monkeypatch):
-    "One decoding sequence's heads spread over 1, 2 or 3 threads: bit-for-bit the same output."
+    "One decoding sequence's key parts spread over 1, 2 or 3 threads: bit-for-bit the same output."
     if path == "bfloat16-dp" and not _has_bf16_dp():
         pytest.skip("no AVX512-BF16 here")
     if path == "bfloat16-generic":
         _hide_bf16_dp(monkeypatch)
     dtype = torch.float32 if path == "float32" else torch.bfloat16
-    q, cache, cm, _ = _step([1], [203], D=128, dtype=dtype, seed=3)
+    q, cache, cm, _ = _step([1], [1000], D=128, dtype=dtype, seed=3)  # 4 parts of 250 keys
     outs = [_attend(q, cache, cm, 128, num_threads=n) for n in (1, 2, 3)]
     assert outs[0].abs().sum() > 0
     assert all(torch.equal(outs[0], o) for o in outs[1:])
