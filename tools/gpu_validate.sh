@@ -64,6 +64,10 @@ timeout 270 $PY -m pytest -q -p no:cacheprovider tests/test_triton_attention.py 
 # the host (a .numpy() of a CUDA tensor raised before), the consumer writes them back to the device
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_kv_connector_pd.py -k "equal_one_instance or device_cache" \
   -rs 2>&1 | tee "$LOG/tests_pd.txt" || rc=1
+# speculative decoding (issue 33) on the GPU: the rejection sampler and the drafts' tensors on the device,
+# greedy tokens with ngram and draft-model drafts equal to transformers' (float32)
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_spec_decode.py tests/test_spec_decode_sampler.py \
+  -k "ngram_greedy or own_draft or draft_model_greedy or distribution" -rs 2>&1 | tee "$LOG/tests_spec_decode.txt" || rc=1
 timeout 60 $PY benchmarks/attention_kernels.py --iters 20 2>&1 | tee "$LOG/bench_kernels.txt" || rc=1
 timeout 150 $PY benchmarks/throughput.py --device cuda --random-weights qwen3-0.6b --skip-hf \
   --num-prompts "${THROUGHPUT_PROMPTS:-128}" --min-len 100 --max-len 1024 --min-output-len 100 --max-output-len 1024 \
