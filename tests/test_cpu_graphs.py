@@ -1,7 +1,8 @@
 """CPU graphs in the engine (chapter 46b): decode steps replayed from recorded C kernel launches.
 
-On the CPU the default `cudagraph_mode` is FULL_DECODE_ONLY and the runner captures a `CPUGraph` per decode
-batch size (up to 32). A replay re-issues the launches against the runner's persistent buffers, so any
+On the CPU the default `cudagraph_mode` is FULL_DECODE_ONLY and the runner has a `CPUGraph` per decode
+batch size up to `max_num_seqs`, all in one shared `CPUGraphPool`: the largest is captured at start-up, each
+other size in its first decode step (a CPU capture runs the pass). A replay re-issues the launches against the runner's persistent buffers, so any
 step input that does not live there (a fresh tensor, a Python decision taken from the data) would make the
 replayed step differ from the eager one. These tests run mixed-length prompts with different `max_tokens`
 (decode batches shrink from 5 to 1 and are padded up to 8, 4, 2, 1), compare the tokens with eager runs and
@@ -59,7 +60,14 @@ def hf_greedy(path, prompts, max_tokens):
 
 
 def replays(llm):
-    return sum(e.cudagraphs[0].num_replays for e in runner_of(llm).cudagraphs.values())
+    "Decode steps that ran on a graph: replays, and the captures made in a step (all but the start-up one)."
+    entries = runner_of(llm).cudagraphs.values()
+    return sum(e.cudagraphs[0].num_replays for e in entries) + max(len(entries) - 1, 0)
+
+
+def full_keys(llm):
+    "The decode batch sizes the engine has graphs for (captured or to be captured in their first step)."
+    return {k.num_tokens for k in runner_of(llm).cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL]}
 
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
@@ -78,12 +86,14 @@ def test_cpu_graph_replay_equals_eager_and_transformers(arch, tmp_path_factory, 
     runner = runner_of(llm)
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
     keys = set(runner.cudagraphs)
-    assert {k.num_tokens for k in keys} == {1, 2, 4, 8} and all(k.uniform_decode for k in keys)
+    assert {k.num_tokens for k in keys} == {8} and all(k.uniform_decode for k in keys)  # the largest first
+    assert full_keys(llm) == {1, 2, 4, 8}
     assert all(isinstance(e.cudagraphs[0], CPUGraph) and e.cudagraphs[0].num_launches > 0
                for e in runner.cudagraphs.values())
     before = replays(llm)
     graphs = greedy(llm, prompts, max_tokens)
     assert replays(llm) - before >= 10  # every decode step: 5 requests padded to 8, then 4, 2, 1
+    assert {k.num_tokens for k in runner.cudagraphs} == {1, 2, 4, 8}  # captured in their first steps
     eager = greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, max_tokens)
     assert graphs == eager
     if arch != "gemma3":  # gemma3 is compared with transformers in tests/test_gemma3.py
@@ -116,7 +126,7 @@ def test_cpu_graph_sizes_follow_the_config(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
     cc = {"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 3]}
     llm = LLM(path, compilation_config=cc, **ENGINE)
-    assert {k.num_tokens for k in runner_of(llm).cudagraphs} == {1, 3}  # lowered to FULL_DECODE_ONLY
+    assert full_keys(llm) == {1, 3} and {k.num_tokens for k in runner_of(llm).cudagraphs} == {3}  # decode only
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     before = replays(llm)
     out = greedy(llm, prompts, [4, 4, 4])
@@ -203,3 +213,35 @@ def test_capture_failure_falls_back_to_eager(tmp_path_factory, monkeypatch, capl
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 15)]
     assert greedy(llm, prompts, [7, 5]) == greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, [7, 5])
+
+
+def test_cpu_graphs_past_32_sequences_share_one_pool(tmp_path_factory, monkeypatch, caplog):
+    "44 sequences: decode batches from 44 down to 1 run on graphs of sizes up to 48, all in one pool."
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    monkeypatch.delenv("MINIVLLM_CPU_GRAPH_POOL", raising=False)
+    path = checkpoint("llama", tmp_path_factory)
+    engine = dict(dtype="float32", max_model_len=64, max_num_seqs=48, max_num_batched_tokens=256)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(path, **engine)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU graphs (")]
+    assert "decode batch sizes 1, 2, 4, 8..48 (step 8)" in line and "size 48 captured at start-up" in line
+    assert "every decode step (at most 48 tokens) is padded" in line
+    runner = runner_of(llm)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 12))] for _ in range(44)]
+    max_tokens = [rng.randint(2, 9) for _ in prompts]
+    graphs = greedy(llm, prompts, max_tokens)
+    used = {k.num_tokens for k, e in runner.cudagraphs.items()}
+    assert {48, 40} <= used  # batches of 33..44 sequences ran on graphs
+    entries = [e.cudagraphs[0] for e in runner.cudagraphs.values()]
+    pool = entries[0].pool
+    assert pool is not None and all(g.pool is pool for g in entries)
+    assert pool.num_unplaced == 0 and all(g.nbytes == 0 for g in entries)  # one step's memory for all sizes
+    assert graphs == greedy(LLM(path, enforce_eager=True, **engine), prompts, max_tokens)
+    assert graphs == hf_greedy(path, prompts, max_tokens)
+    # the same sizes, each graph with its own memory: the pool holds what the largest one alone holds
+    monkeypatch.setenv("MINIVLLM_CPU_GRAPH_POOL", "0")
+    own = LLM(path, **engine)
+    assert greedy(own, prompts, max_tokens) == graphs
+    own_bytes = {k.num_tokens: e.cudagraphs[0].nbytes for k, e in runner_of(own).cudagraphs.items()}
+    assert own_bytes.keys() == used and pool.nbytes == own_bytes[48] < sum(own_bytes.values())

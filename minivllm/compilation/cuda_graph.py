@@ -107,6 +107,8 @@ class CUDAGraphWrapper:
         self.splitting_layers = list(splitting_layers or [])
         self.graph_pool, self.graph_cls = graph_pool, graph_cls
         self.concrete_cudagraph_entries: dict[Any, CUDAGraphEntry] = {}
+        self.eager_keys: set = set()  # keys whose capture failed in a step (see `_capture_in_step`)
+        self.eager_on_capture_failure = False
 
     def unwrap(self) -> Callable:
         "The innermost runnable (the model)."
@@ -119,8 +121,7 @@ class CUDAGraphWrapper:
             return self.runnable(*args, **kwargs)
         entry = self.concrete_cudagraph_entries.get(ctx.batch_descriptor)
         if entry is None:
-            entry = self.capture(ctx.batch_descriptor, args, kwargs)
-            self.concrete_cudagraph_entries[ctx.batch_descriptor] = entry
+            return self._capture_in_step(ctx.batch_descriptor, args, kwargs)
         return entry.replay()
 
     def capture(self, batch_descriptor: Any, args: tuple, kwargs: dict) -> CUDAGraphEntry:
@@ -144,6 +145,29 @@ class CUDAGraphWrapper:
         else:
             self._capture_piecewise(entry, args, kwargs)
         return entry
+
+# %% ../../nbs/46a_cuda_graph.ipynb #5e1f0c2b
+@patch
+def _capture_in_step(self: CUDAGraphWrapper, desc: Any, args: tuple, kwargs: dict) -> Any:
+    """Capture the entry of `desc` during this call and return this call's output: the capture's own output
+    for a graph that runs its pass while recording (graph_cls, FULL), else a first replay. A key in
+    `eager_keys` runs eagerly. With `eager_on_capture_failure`, a failed capture of the first kind runs the
+    call eagerly, logs why and adds `desc` to `eager_keys`; otherwise the exception propagates."""
+    if desc in self.eager_keys:
+        return self.runnable(*args, **kwargs)
+    ran = self.runtime_mode == CUDAGraphMode.FULL and self.graph_cls is not None
+    try:
+        entry = self.capture(desc, args, kwargs)
+    except Exception as e:
+        if not (ran and self.eager_on_capture_failure):
+            raise
+        self.eager_keys.add(desc)
+        logger.warning(
+            "graph capture of %s failed (%s: %s); that size runs eagerly", desc, type(e).__name__, e
+        )
+        return self.runnable(*args, **kwargs)
+    self.concrete_cudagraph_entries[desc] = entry
+    return entry.output if ran else entry.replay()
 
 # %% ../../nbs/46a_cuda_graph.ipynb #7b00e2f7
 @patch

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -51,7 +52,7 @@ from .lora_model_runner_mixin import LoRAModelRunnerMixin
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'CPU_GRAPH_MAX_CAPTURE_SIZE', 'ExecuteModelState', 'AttentionGroup', 'get_attn_backend_of', 'GPUModelRunner']
+__all__ = ['logger', 'ExecuteModelState', 'AttentionGroup', 'get_attn_backend_of', 'GPUModelRunner']
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #6640245d
 class ExecuteModelState(NamedTuple):
@@ -486,12 +487,13 @@ def _build_attention_metadata(
     return attn_metadata, slot_mappings
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #35c36f45
-from ...compilation.cpu_graph import CPUGraph, CPUGraphCaptureError
+from ...compilation.cpu_graph import CPUGraph, CPUGraphCaptureError, cpu_graph_pool
 from ...compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
 from ...compilation_config import CUDAGraphMode
 from minivllm.v1.cudagraph_dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
+    describe_capture_sizes,
     is_uniform_decode,
     pad_attn_inputs,
 )
@@ -552,23 +554,22 @@ def _cpu_graph_mode(self: GPUModelRunner, mode: CUDAGraphMode, builders: list) -
     return CUDAGraphMode.FULL_DECODE_ONLY
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #51721da5
-CPU_GRAPH_MAX_CAPTURE_SIZE = 32  # a CPU graph keeps all its intermediates: ~1 MB per token for SmolLM2
-
-
 @patch
 def _init_cudagraphs(self: GPUModelRunner) -> CUDAGraphMode:
     "Set up `cudagraph_dispatcher` and the (empty) wrappers of the mode actually used; returns that mode."
     cc = self.vllm_config.compilation_config
     unsized = cc.max_cudagraph_capture_size is None and cc.cudagraph_capture_sizes is None
+    self._requested_capture = (cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size)  # for the log
     if self.device.type == "cpu" and unsized and not cc.bs_to_padded_graph_size:
-        cc.max_cudagraph_capture_size = CPU_GRAPH_MAX_CAPTURE_SIZE
+        # one shared pool holds one step's intermediates for every size (chapter 46b): up to max_num_seqs
+        cc.max_cudagraph_capture_size = self.max_num_reqs
     self.cudagraph_dispatcher = CudagraphDispatcher(cc, self.max_num_reqs, self.max_num_tokens)
     mode = self._resolve_cudagraph_mode()
     self.cudagraph_wrappers: dict[CUDAGraphMode, CUDAGraphWrapper] = {}
     self.cudagraph_model: Any = None
     if mode != CUDAGraphMode.NONE and self.device.type == "cpu":  # FULL_DECODE_ONLY, CPUGraph entries
         self.cudagraph_model = self.cudagraph_wrappers[CUDAGraphMode.FULL] = CUDAGraphWrapper(
-            self.model, CUDAGraphMode.FULL, graph_cls=CPUGraph
+            self.model, CUDAGraphMode.FULL, graph_cls=CPUGraph, graph_pool=cpu_graph_pool()
         )
     elif mode != CUDAGraphMode.NONE:
         pool, runnable = torch.cuda.graph_pool_handle(), self.model
@@ -625,7 +626,11 @@ def _dispatch_cudagraph(
     if not wrappers:
         return CUDAGraphMode.NONE, None
     mode, desc = self.cudagraph_dispatcher.dispatch(num_tokens, is_uniform_decode(num_scheduled), num_reqs)
-    if mode not in wrappers or desc not in wrappers[mode].concrete_cudagraph_entries:
+    wrapper = wrappers.get(mode)
+    captured = wrapper is not None and desc in wrapper.concrete_cudagraph_entries
+    # a CPU graph's capture is a real step (it runs while recording): a size not captured yet is captured now
+    in_step = wrapper is not None and wrapper.graph_cls is CPUGraph and desc not in wrapper.eager_keys
+    if not (captured or in_step):
         return CUDAGraphMode.NONE, None
     if mode == CUDAGraphMode.FULL:
         self._pad_for_cudagraph(num_reqs, num_tokens, desc)
@@ -654,6 +659,11 @@ def capture_model(self: GPUModelRunner) -> int:
     keys.sort(key=lambda mk: (-mk[1].num_tokens, mk[1].uniform_decode))
     if not keys or self.cudagraph_model is None:
         return 0
+    if (
+        self.device.type == "cpu"
+    ):  # the largest now (it sizes the shared pool), the others in their first step
+        keys = keys[:1]
+    start = time.perf_counter()
     for runtime_mode, desc in keys:
         N = desc.num_tokens
         # mixed: prompts of at most max_model_len tokens (block table rows fit)
@@ -701,16 +711,42 @@ def capture_model(self: GPUModelRunner) -> int:
                 return 0
     if self.device.type == "cuda":
         torch.cuda.synchronize(self.device)
-    n = {m.name: len(w.concrete_cudagraph_entries) for m, w in self.cudagraph_wrappers.items()}
-    logger.info(
-        "captured %s graphs (%s): %s, sizes %d..%d",
-        "CPU" if self.device.type == "cpu" else "CUDA",
-        mode.name,
-        n,
-        min(k.num_tokens for _, k in keys),
-        max(k.num_tokens for _, k in keys),
-    )
+    self._log_captured(mode, keys, time.perf_counter() - start)
+    self.cudagraph_model.eager_on_capture_failure = True  # from now on a capture is part of a real step
     return len(self.cudagraphs)
+
+# %% ../../../nbs/43_gpu_model_runner.ipynb #c0ffee46
+@patch
+def _log_captured(self: GPUModelRunner, mode: CUDAGraphMode, keys: list, seconds: float) -> None:
+    """One start-up line: the captured entries and sizes, the time; on the CPU the decode sizes that have
+    graphs and why any has none, the size captured now and its memory (the shared `CPUGraphPool` and what
+    graphs keep for themselves)."""
+    if self.device.type != "cpu":
+        n = {m.name: len(w.concrete_cudagraph_entries) for m, w in self.cudagraph_wrappers.items()}
+        sizes = [k.num_tokens for _, k in keys]
+        logger.info("captured CUDA graphs (%s): %s, sizes %d..%d", mode.name, n, min(sizes), max(sizes))
+        return
+    graphs = [e.cudagraphs[0] for e in self.cudagraphs.values()]
+    pool = graphs[0].pool if graphs else None
+    held = sum(g.nbytes for g in graphs) + (pool.nbytes if pool is not None else 0)
+    where = (
+        f"one shared pool: {len(pool.slots)} slots, {pool.num_unplaced} tensors outside"
+        if pool is not None
+        else "each graph its own, MINIVLLM_CPU_GRAPH_POOL=0"
+    )
+    requested, cap = self._requested_capture
+    sizes = sorted(k.num_tokens for k in self.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL])
+    why = describe_capture_sizes(requested, sizes, self.max_num_reqs, self.max_num_tokens, cap)
+    logger.info(
+        "CPU graphs (%s) for %s; size %d captured at start-up in %.2f s, %.1f MiB (%s); each other size is "
+        "captured in its first decode step",
+        mode.name,
+        why,
+        keys[0][1].num_tokens,
+        seconds,
+        held / 2**20,
+        where,
+    )
 
 # %% ../../../nbs/43_gpu_model_runner.ipynb #9a7cffdc
 @patch
@@ -1102,7 +1138,7 @@ def profile_run(self: GPUModelRunner) -> None:
     if self.device.type == "cuda":
         torch.cuda.synchronize(self.device)
 
-# %% ../../../nbs/43_gpu_model_runner.ipynb
+# %% ../../../nbs/43_gpu_model_runner.ipynb #7fb27b941602401d91542211134fc71a
 # speculative decoding's methods (`_init_spec_decode`, `_sample_spec_decode`, ...) live in chapter 43c and
 # patch GPUModelRunner when this module is imported
 from ..spec_decode import runner as _spec_decode_runner  # noqa: E402, F401
