@@ -58,12 +58,15 @@ def run(
     )
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     requests = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+    # warm-up: one prompt per adapter, so every adapter is loaded and in a slot before the timed run
+    n_warm = max(2, len(loras or ()))
+    warm = [{"prompt_token_ids": prompts[i % len(prompts)][:8]} for i in range(n_warm)]
     llm.generate(
-        [{"prompt_token_ids": p} for p in prompts[:2]],
+        warm,
         sp,
         use_tqdm=False,
-        lora_request=requests[:2] if requests else None,
-    )  # warm-up
+        lora_request=[loras[i % len(loras)] for i in range(n_warm)] if loras else None,
+    )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
     steps = [0]
     execute_model = runner.execute_model
