@@ -155,6 +155,10 @@ class GPUModelRunner(LoRAModelRunnerMixin, KVConnectorModelRunnerMixin, ECConnec
         self.num_encoder_runs = 0  # embed_multimodal calls (the tests count them)
         self.drafter = None  # speculative decoding (chapter 43c): the proposer, set by _init_spec_decode
         if getattr(vllm_config, "speculative_config", None) is not None:
+            # the spec-decode methods (chapter 43c) patch this class on import; imported here, not at module
+            # level, because that module imports this one
+            from minivllm.v1.spec_decode import runner as _spec_decode_runner  # noqa: F401
+
             self._init_spec_decode()
 
     def _make_input_batch(
@@ -1137,8 +1141,3 @@ def profile_run(self: GPUModelRunner) -> None:
     self._dummy_sampler_run(hidden[idx])
     if self.device.type == "cuda":
         torch.cuda.synchronize(self.device)
-
-# %% ../../../nbs/43_gpu_model_runner.ipynb #7fb27b941602401d91542211134fc71a
-# speculative decoding's methods (`_init_spec_decode`, `_sample_spec_decode`, ...) live in chapter 43c and
-# patch GPUModelRunner when this module is imported
-from ..spec_decode import runner as _spec_decode_runner  # noqa: E402, F401
