@@ -129,3 +129,17 @@ def test_prefix_cache_hits_only_within_one_adapter(tiny, llm, monkeypatch):
     assert a2_hits == 32 and a2_tokens == a_tokens
     assert base2_hits == 32
     assert len({tuple(base_tokens), tuple(a_tokens), tuple(b_tokens)}) == 3
+
+
+def test_unsupported_combinations_are_refused_naming_the_flag(tiny, tmp_path):
+    _, path, _ = tiny
+    tp = EngineArgs(model=path, enable_lora=True, tensor_parallel_size=2, distributed_executor_backend="mp")
+    with pytest.raises(ValueError, match="enable_lora: .*tensor_parallel_size"):
+        tp.create_engine_config()
+    mm = make_tiny_checkpoint("gemma3_mm", tmp_path / "mm")
+    with pytest.raises(ValueError, match="enable_lora: .*multimodal"):
+        EngineArgs(model=mm, enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        EngineArgs(model=path, enable_lora=True, max_lora_rank=7).create_engine_config()
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineArgs(model=path, enable_lora=True, max_loras=4, max_cpu_loras=2).create_engine_config()
