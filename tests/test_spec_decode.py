@@ -375,3 +375,18 @@ def test_step_trace_records_acceptance(target, tmp_path):
     # the target as its own draft: every verified draft kept (drafts never reach past max_tokens)
     assert all(s.num_accepted_tokens == sum(s.draft_tokens.values()) for s in spec_steps)
     assert all(s.acceptance_rate is None for s in steps if not s.draft_tokens)
+
+
+def test_backoff_when_drafts_keep_failing(target):
+    "A proposer whose drafts are always rejected: the request pauses (2, 4, 8 ... steps); tokens unchanged."
+    path, prompts, max_tokens, expected = target
+    llm = make_llm(path, speculative_config=ngram(3))
+    never = next(t for t in range(3, 512) if all(t not in e for e in expected))
+    drafter = runner(llm).drafter
+    drafter.propose = lambda rows, n, tok: {r: [never] * 3 for r in rows}
+    tap = StatsTap(llm)
+    got, _ = generate(llm, prompts[:1], [40])
+    assert got[0] == expected[0][:40]
+    drafts, draft_tokens, accepted = tap.totals()
+    assert accepted == 0
+    assert 4 <= drafts <= 8  # without the back-off: one draft per decode step, 39
