@@ -166,7 +166,7 @@ def test_target_as_its_own_draft_accepts_everything(target, k):
 
 SETTINGS = {
     "chunked_prefill": dict(max_num_batched_tokens=16),  # prompts split, drafts cut by the budget
-    "preemption": dict(num_gpu_blocks_override=12, block_size=16),  # too few blocks for all four
+    "preemption": dict(num_gpu_blocks_override=9, block_size=16),  # too few blocks for all four
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "max_num_seqs_2": dict(max_num_seqs=2),
 }
