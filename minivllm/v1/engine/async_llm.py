@@ -10,7 +10,9 @@ import copy
 import logging
 import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from fastcore.basics import patch
@@ -167,6 +169,8 @@ class AsyncLLM:
         self.output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.last_scheduler_stats: Any = None
+        # images are decoded and processed here, one prompt at a time, never on the event loop's thread
+        self._mm_executor = ThreadPoolExecutor(1, thread_name_prefix="minivllm-mm")
 
 # %% ../../../nbs/51_async_llm.ipynb #82c275f8
 @patch(cls_method=True)
@@ -332,9 +336,20 @@ async def _add_request(
 ) -> None:
     from minivllm.v1.engine.parallel_sampling import ParentRequest
 
-    request = self.input_processor.process_inputs(
-        request_id, prompt, params, arrival_time, lora_request=lora_request, priority=priority
+    process = partial(
+        self.input_processor.process_inputs,
+        request_id,
+        prompt,
+        params,
+        arrival_time,
+        lora_request=lora_request,
+        priority=priority,
     )
+    if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+        # decoding and the HF processor take about a second an image: off the loop, others keep being served
+        request = await asyncio.get_running_loop().run_in_executor(self._mm_executor, process)
+    else:
+        request = process()
     self.input_processor.assign_request_id(request)
     prompt_text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     if params.n == 1:
@@ -490,6 +505,7 @@ def shutdown(self: AsyncLLM) -> None:
             self.output_handler.cancel()
         else:
             self._loop.call_soon_threadsafe(self.output_handler.cancel)
+    self._mm_executor.shutdown(wait=False, cancel_futures=True)
     self.engine_core.shutdown()
 
 
