@@ -103,6 +103,18 @@ def test_bad_adapters_are_refused_naming_the_field(tiny, llm):
         f.write("[1, 2")
     _refused(llm, LoRARequest("broken", 5, d), "lora_path: .*not valid JSON")
     _refused(llm, "not-a-request", "lora_request must be a LoRARequest")
+    ok = make_random_lora_adapter(str(root / "ok2"), cfg, rank=4)
+    assert (
+        len(
+            llm.generate(PROMPT, PARAMS, use_tqdm=False, lora_request=LoRARequest("ok2", 6, ok))[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 3
+    )
+    _refused(
+        llm, LoRARequest("impostor", 6, ok), "lora_int_id 6 is already adapter 'ok2'"
+    )  # same id, other adapter
     # the engine still serves after the refusals
     assert len(llm.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids) == 3
 

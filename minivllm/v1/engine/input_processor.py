@@ -257,7 +257,8 @@ def _make_mm_features(self: InputProcessor, mm_inputs) -> list[MultiModalFeature
 def _validate_lora(self: InputProcessor, lora_request: Any) -> None:
     """Refuse a `lora_request` the engine could not serve, before it is queued: LoRA not enabled, not a
     `LoRARequest`, or an adapter whose config or tensors do not fit (`validate_lora_adapter`, chapter 30j:
-    bad `lora_path`, rank over `max_lora_rank`, unknown `target_modules`). Raises ValueError naming the
+    bad `lora_path`, rank over `max_lora_rank`, unknown `target_modules`), or a `lora_int_id` seen before
+    with another name or path (the workers cache adapters by id). Raises ValueError naming the
     field. Source: vLLM v0.15 v1/engine/input_processor.py `_validate_lora`."""
     if lora_request is None:
         return
@@ -272,7 +273,17 @@ def _validate_lora(self: InputProcessor, lora_request: Any) -> None:
         )
     if not isinstance(lora_request, LoRARequest):
         raise ValueError(f"lora_request must be a LoRARequest; got {type(lora_request).__name__}")
+    # the workers cache adapters by lora_int_id: one id must always mean the same adapter
+    seen = self.__dict__.setdefault("_lora_id_owner", {})
+    owner = (lora_request.lora_name, lora_request.lora_path)
+    if seen.get(lora_request.lora_int_id, owner) != owner:
+        name, path = seen[lora_request.lora_int_id]
+        raise ValueError(
+            f"lora_request: lora_int_id {lora_request.lora_int_id} is already adapter {name!r} ({path}); "
+            f"give {lora_request.lora_name!r} another id"
+        )
     validate_lora_adapter(lora_request, lora_config, self.model_config.hf_text_config)
+    seen[lora_request.lora_int_id] = owner
 
 # %% ../../../nbs/25_input_processor.ipynb #862159f2
 @patch
