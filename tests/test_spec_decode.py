@@ -390,3 +390,22 @@ def test_backoff_when_drafts_keep_failing(target):
     drafts, draft_tokens, accepted = tap.totals()
     assert accepted == 0
     assert 4 <= drafts <= 8  # without the back-off: one draft per decode step, 39
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_other_architectures(arch, tmp_path):
+    "Qwen3, and Gemma 3 (sliding-window layers: two KV cache groups; the draft model then runs without a cache)."
+    path = make_tiny_checkpoint(arch, tmp_path / arch)
+    prompts, max_tokens = _prompts(1)
+    ref, _ = generate(make_llm(path), prompts, max_tokens)
+    for spec in (ngram(4), {"model": path, "num_speculative_tokens": 3}):
+        llm = make_llm(path, speculative_config=spec)
+        tap = StatsTap(llm)
+        got, _ = generate(llm, prompts, max_tokens)
+        assert got == ref, spec
+        assert tap.totals()[0] > 0
+        if "model" in spec:
+            assert runner(llm).drafter.kv_mode is (arch != "gemma3")
+            if arch == "qwen3":
+                assert tap.totals()[2] == tap.totals()[1]  # its own draft: everything accepted
+        assert_no_blocks_held(llm)
