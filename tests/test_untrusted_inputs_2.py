@@ -1,14 +1,16 @@
 """Untrusted inputs, second pass (issue 29's attacker check): one client's images must not stall the server
-for everyone else. Decoding and the Hugging Face processor run off the event loop, so `/health` and other
-requests keep being answered while a prompt's images are processed.
+for everyone else (decoding and the Hugging Face processor run off the event loop, so `/health` keeps being
+answered while a prompt's images are processed), and a grammar or schema with no finite output (it recurses
+forever, yet allows a token at every step) is a 400 instead of a run to max_tokens.
 
-In-process server (as in test_server.py) on the tiny Gemma 3 vision-language checkpoint."""
+In-process servers (as in test_server.py) on tiny random-weight checkpoints."""
 
 import threading
 
+import openai
 import pytest
 from test_server import Server
-from test_untrusted_inputs import images_message, data_url, small_png
+from test_untrusted_inputs import _fine, data_url, images_message, small_png
 
 from minivllm.testing import make_tiny_checkpoint
 from minivllm.v1.engine.async_llm import AsyncLLM
@@ -56,3 +58,63 @@ def test_health_is_answered_while_images_are_processed(vlm, monkeypatch):
     assert seen["released_by_health"], "/health waited for the image processor (it ran on the event loop)"
     assert result["response"].choices[0].finish_reason == "length"
     assert vlm.client.models.list().data[0].id == "tiny"  # still serving
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    "The tiny Llama behind the server, with xgrammar."
+    pytest.importorskip("xgrammar")
+    from minivllm.engine.arg_utils import EngineArgs
+
+    ckpt = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-untrusted-2"))
+    srv = Server(
+        AsyncLLM.from_engine_args(EngineArgs(model=ckpt, max_model_len=512), enable_multiprocessing=False)
+    )
+    yield srv
+    srv.stop()
+
+
+SELF_REQUIRING = {
+    "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+    "$ref": "#/$defs/n",
+}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"structured_outputs": {"grammar": 'root ::= "a" root'}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": 'root ::= x\nx ::= "b" x | "c" x'}}, "structured_outputs"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": SELF_REQUIRING},
+                }
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_constraint_with_no_finite_output_is_a_400(real, extra, param):
+    "These ran to max_tokens (200, finish_reason=length, 112 characters of `a`s at 50 tokens on SmolLM2)."
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Go"}], max_tokens=50, extra_body=extra
+        )
+    assert e.value.body["param"] == param, e.value.body
+    assert "no output can ever complete the constraint" in e.value.body["message"], e.value.body
+    _fine(real)
+
+
+def test_recursive_constraint_that_can_end_is_served(real):
+    "The same recursion with a way out (`c` optional) is served, and its output parses."
+    schema = {**SELF_REQUIRING, "$defs": {"n": {**SELF_REQUIRING["$defs"]["n"], "required": []}}}
+    out = real.client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Go"}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.choices[0].message.content.startswith("{")

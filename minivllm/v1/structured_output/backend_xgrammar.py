@@ -35,7 +35,7 @@ def _xgr():
 __all__ = ['logger', 'MAX_CONSTRAINT_CHARS', 'MAX_SCHEMA_DEPTH', 'STRING_FORMATS', 'INEXACT_FORMATS', 'JSON_TYPES',
            'EXACT_FORMAT_PATTERNS', 'MAX_JSON_WHITESPACE', 'choice_as_ebnf', 'structured_output_key', 'schema_depth',
            'get_xgrammar_unsupported_json_features', 'regex_anchor_problem', 'exact_string_formats', 'json_whitespace',
-           'matches_nothing', 'validate_xgrammar_grammar', 'XgrammarGrammar', 'XgrammarBackend']
+           'matches_nothing', 'never_completes', 'validate_xgrammar_grammar', 'XgrammarGrammar', 'XgrammarBackend']
 
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #abf156f1
 def choice_as_ebnf(choices: list[str]) -> str:
@@ -338,6 +338,85 @@ def matches_nothing(grammar: Any, empty_ok: bool = True) -> bool:
         mask[0, 256 // 32] &= ~(1 << (256 % 32))  # the end token's bit: an empty output does not count
     return not bool(mask.any())
 
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #acae54e37e7d407bbb7b55eff062a284
+_EBNF_TOKEN = re.compile(
+    r'\s+|(?P<str>"(?:[^"\\]|\\.)*")|(?P<cls>\[(?:[^\]\\]|\\.)*\])|(?P<look>\(=)|(?P<op>[()|*+?])'
+    r"|(?P<rep>\{\s*(?P<lo>\d+)\s*(?:,\s*-?\d+\s*)?\})|(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+def _ebnf_tokens(body: str) -> list[tuple[str, str]]:
+    "xgrammar's printed rule body as (kind, text) tokens; ValueError on anything else (then: unsure)."
+    tokens, pos = [], 0
+    while pos < len(body):
+        m = _EBNF_TOKEN.match(body, pos)
+        if m is None:
+            raise ValueError(f"unexpected {body[pos : pos + 10]!r}")
+        if m.lastgroup is not None:
+            kind = "rep0" if m.lastgroup == "lo" and m.group("lo") == "0" else m.lastgroup
+            if m.group("rep") is not None:
+                kind = "rep0" if int(m.group("lo")) == 0 else "rep"
+            tokens.append((kind, m.group(0)))
+        pos = m.end()
+    return tokens
+
+
+def _can_end(tokens: list, i: int, done: set, stop: str = "") -> tuple[bool, int]:
+    """Whether the alternatives from tokens[i] (up to `stop`) can derive a finite string, given the rules
+    in `done` that can; and the index after them. Lookaheads count as satisfiable."""
+    any_alt, seq_ok = False, True
+    while i < len(tokens) and tokens[i][1] != stop:
+        kind, text = tokens[i]
+        if text == "|":
+            any_alt, seq_ok, i = any_alt or seq_ok, True, i + 1
+            continue
+        if kind == "look":
+            _, i = _can_end(tokens, i + 1, done, ")")
+            i += 1
+            continue
+        if text == "(":
+            ok, i = _can_end(tokens, i + 1, done, ")")
+            i += 1
+        elif kind in ("str", "cls"):
+            ok, i = True, i + 1
+        elif kind == "name":
+            ok, i = text in done, i + 1
+        else:
+            raise ValueError(f"unexpected {text!r}")
+        if i < len(tokens) and (tokens[i][1] in ("*", "?") or tokens[i][0] == "rep0"):
+            ok, i = True, i + 1  # zero repetitions allowed
+        elif i < len(tokens) and (tokens[i][1] == "+" or tokens[i][0] == "rep"):
+            i += 1
+        seq_ok = seq_ok and ok
+    return any_alt or seq_ok, i
+
+# %% ../../../nbs/49a_backend_xgrammar.ipynb #9a63283cbaf04dbcab1f6479b197f3a8
+def never_completes(grammar) -> bool:
+    """Whether no finite string matches `grammar` (an `xgr.Grammar`): every derivation of its root recurses
+    forever, as `root ::= "a" root` or a JSON schema whose object requires itself. Every token may be allowed
+    at every step, so `matches_nothing` passes it and the request would run to `max_tokens`. The rules that
+    can finish are found by fixpoint (a rule finishes when one alternative uses only finishing rules; `*`,
+    `?` and `{0, n}` parts always finish) over xgrammar's printed form. False when unsure (a construct this
+    reader does not know, such as `Regex(...)`). Source: minivllm (vLLM runs such a request to max_tokens)."""
+    rules = {}
+    for line in str(grammar).splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if not sep:
+            continue
+        rules[name.strip()] = body
+    try:
+        tokens = {name: _ebnf_tokens(body) for name, body in rules.items()}
+        done, grew = set(), True
+        while grew:
+            grew = False
+            for name, toks in tokens.items():
+                if name not in done and _can_end(toks, 0, done)[0]:
+                    done.add(name)
+                    grew = True
+    except ValueError:
+        return False
+    return "root" in rules and "root" not in done
+
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #9885a9b0
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
 
@@ -394,6 +473,8 @@ def validate_xgrammar_grammar(params: Any) -> None:
         raise ValueError(f"{field}: cannot compile: {_xgrammar_message(e)}") from None
     if matches_nothing(grammar, empty_ok=kind not in _JSON_KINDS):
         raise ValueError(f"{field}: the constraint matches no output at all, so nothing could be generated")
+    if never_completes(grammar):
+        raise ValueError(f"{field}: no output can ever complete the constraint (it recurses without end)")
 
 # %% ../../../nbs/49a_backend_xgrammar.ipynb #1ebf0e44
 class XgrammarGrammar(StructuredOutputGrammar):
