@@ -54,6 +54,7 @@ def run(
         max_model_len=args.max_len + args.output_len + 8,
         max_num_seqs=len(prompts),
         seed=0,
+        enable_prefix_caching=False,  # every run and configuration computes every prompt token
         **lora_args,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
@@ -76,11 +77,17 @@ def run(
         return execute_model(*a, **kw)
 
     runner.execute_model = counted
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=requests)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return elapsed, tokens, steps[0]
+    best = None
+    for _ in range(args.repeat):  # the fastest of --repeat runs (1: the one run)
+        steps[0] = 0
+        start = time.perf_counter()
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=requests
+        )
+        elapsed = time.perf_counter() - start
+        if best is None or elapsed < best[0]:
+            best = (elapsed, sum(len(o.outputs[0].token_ids) for o in outs), steps[0])
+    return best
 
 
 def main() -> None:
@@ -94,6 +101,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per configuration; the fastest counts")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kernel", choices=("cpu", "torch"), default="cpu", help="MINIVLLM_LORA_KERNEL")
     args = p.parse_args()
