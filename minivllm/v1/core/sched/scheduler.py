@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 from typing import Any, Iterable
 
+import numpy as np
 from fastcore.basics import patch
 
 from ....config import VllmConfig
@@ -802,6 +803,9 @@ def get_grammar_bitmask(self: Scheduler, scheduler_output: SchedulerOutput) -> G
         if not row.any():  # a dead end: nothing may come next
             row[:] = -1  # all -inf logits would sample garbage with NaN logprobs; the token is dropped
             self._grammar_dead_ends.add(rid)
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if any(rid in spec for rid in ids):  # a row for every draft position too (speculative decoding)
+        bitmask = self._spec_grammar_bitmask(ids, bitmask, spec)
     return GrammarOutput(ids, bitmask)
 
 # %% ../../../../nbs/23_scheduler.ipynb #65012abd
@@ -904,13 +908,13 @@ def _update_spec_decode_progress(
 @patch
 def _set_spec_token_ids(self: Scheduler, request: Request, spec_token_ids: list[int]) -> None:
     "The next step's drafts of `request`, cut to what `max_tokens` and `max_model_len` leave room for."
-    if not spec_token_ids or request.use_structured_output:
-        request.spec_token_ids = []
-        return
     room = self.max_model_len - 1 - request.num_tokens
     if request.max_tokens is not None:
         room = min(room, request.max_tokens - request.num_output_tokens - 1)
-    request.spec_token_ids = list(spec_token_ids[: max(room, 0)])
+    spec_token_ids = list(spec_token_ids[: max(room, 0)])
+    if spec_token_ids and request.use_structured_output:
+        spec_token_ids = self._validate_spec_tokens(request, spec_token_ids)
+    request.spec_token_ids = spec_token_ids
 
 
 @patch
@@ -918,6 +922,57 @@ def _take_spec_decoding_stats(self: Scheduler):
     "The interval's `SpecDecodingStats` (None if nothing was drafted), reset for the next one."
     stats, self._spec_decoding_stats = self._spec_decoding_stats, None
     return stats
+
+
+@patch
+def _validate_spec_tokens(self: Scheduler, request: Request, spec_token_ids: list[int]) -> list[int]:
+    """The longest prefix of the drafts that `request`'s grammar accepts without reaching a dead end (a state
+    that is not terminated and allows no token). The grammar is left as it was."""
+    grammar = request.structured_output_request.grammar
+    if grammar is None or grammar.is_terminated():
+        return []
+    buf = self.structured_output_manager.backend.allocate_token_bitmask(1)
+    accepted = kept = 0
+    for token in grammar.validate_tokens(spec_token_ids):
+        grammar.accept_tokens(request.request_id, [token])
+        accepted += 1
+        if not grammar.is_terminated():
+            buf.fill_(0)
+            grammar.fill_bitmask(buf, 0)
+            if not bool(buf.any()):
+                break  # this draft leads nowhere: leave it to an ordinary step
+        kept = accepted
+    if accepted:
+        grammar.rollback(accepted)
+    return spec_token_ids[:kept]
+
+
+@patch
+def _spec_grammar_bitmask(
+    self: Scheduler, ids: list[str], bitmask: np.ndarray, spec: dict[str, list[int]]
+) -> np.ndarray:
+    """`bitmask` (one row per request of `ids`) with, after each request's row, one row per draft: the
+    grammar's state after the drafts before it (all allowed once terminated). The grammars are left as they
+    were. Source: vLLM v0.15 v1/structured_output/__init__.py `grammar_bitmask` (spec-decode rows)."""
+    buf = self.structured_output_manager.backend.allocate_token_bitmask(1)
+    rows = []
+    for rid, row in zip(ids, bitmask):
+        rows.append(row)
+        drafts = spec.get(rid, [])
+        grammar = self.requests[rid].structured_output_request.grammar
+        accepted = 0
+        for token in drafts:
+            if not grammar.accept_tokens(rid, [token]):
+                break
+            accepted += 1
+            buf.fill_(-1)
+            if not grammar.is_terminated():
+                grammar.fill_bitmask(buf, 0)
+            rows.append(buf[0].numpy().copy())
+        rows.extend(np.full_like(row, -1) for _ in range(len(drafts) - accepted))
+        if accepted:
+            grammar.rollback(accepted)
+    return np.stack(rows)
 
 # %% ../../../../nbs/23_scheduler.ipynb #fa6b0606
 @patch
