@@ -64,7 +64,7 @@ def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
     flags = next((line for line in lines if line.startswith("flags")), "")
     return model, frozenset(flags.split(":", 1)[1].split()) if flags else frozenset()
 
-
+# %% ../nbs/kernels/01a_cpu_build.ipynb #bb72dbf2
 _WARNED_ABSENT: set[str] = set()
 
 

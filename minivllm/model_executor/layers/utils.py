@@ -183,7 +183,7 @@ def _valid_runs(entry) -> int | None:
     runs = entry.get("runs") if isinstance(entry, dict) else None
     return runs if type(runs) is int and runs >= 0 else None
 
-
+# %% ../../../nbs/30d_layer_utils.ipynb #172270d4
 def _write_choice(path, shape_key: str, entry: dict) -> None:
     table = _read_choices(path)  # again: another process may have added shapes meanwhile
     table[shape_key] = entry
