@@ -245,3 +245,34 @@ def test_cpu_graphs_past_32_sequences_share_one_pool(tmp_path_factory, monkeypat
     assert greedy(own, prompts, max_tokens) == graphs
     own_bytes = {k.num_tokens: e.cudagraphs[0].nbytes for k, e in runner_of(own).cudagraphs.items()}
     assert own_bytes.keys() == used and pool.nbytes == own_bytes[48] < sum(own_bytes.values())
+
+
+def test_a_capture_failing_in_a_decode_step_runs_that_step_eagerly(tmp_path_factory, monkeypatch, caplog):
+    "Sizes are captured in their first decode step: a capture failing midway there must not fail the step."
+    from minivllm.compilation import cpu_graph
+
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    path = checkpoint("llama", tmp_path_factory)
+    llm = LLM(path, **ENGINE)  # size 8 captured at start-up
+    wrapper = runner_of(llm).cudagraph_model
+    real_dispatch = cpu_graph._TorchOpRecorder.__torch_dispatch__
+    calls = []
+
+    def failing_dispatch(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        if len(calls) % 5 == 0:  # in the middle of each captured pass, after some launches ran
+            raise KeyError("injected capture failure")
+        return real_dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(cpu_graph._TorchOpRecorder, "__torch_dispatch__", failing_dispatch)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 9, 3)]
+    max_tokens = [8, 5, 3]  # decode batches of 3, 2, 1: sizes 4, 2, 1, none captured yet
+    with caplog.at_level(logging.WARNING):
+        got = greedy(llm, prompts, max_tokens)
+    assert {k.num_tokens for k in wrapper.eager_keys} == {1, 2, 4}
+    assert {k.num_tokens for k in runner_of(llm).cudagraphs} == {8}  # only the start-up capture
+    assert sum("graph capture of" in r.getMessage() and "injected" in r.getMessage() for r in caplog.records) == 3
+    monkeypatch.setattr(cpu_graph._TorchOpRecorder, "__torch_dispatch__", real_dispatch)
+    assert got == greedy(LLM(path, enforce_eager=True, **ENGINE), prompts, max_tokens)
+    assert greedy(llm, prompts, max_tokens) == got  # the eager sizes stay eager, size 8 still replays
