@@ -2,7 +2,7 @@
 processes on the CPU, gloo), each rank moving its own KV heads.
 
 - ExampleConnector stores one file per rank (`<key>.tp<r>of2.safetensors`; the shards overwrote each other
-  under one key before) and LMCache one chunk per `worker_id` (synchronous and layer-wise), with a lookup
+  under one key before) and LMCache one chunk per `worker_id` (layer-wise and synchronous), with a lookup
   server per rank: cold and warm
   runs give the greedy tokens of one instance without a connector, and the warm run loads (it schedules
   only the prompt's tail);
@@ -81,16 +81,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("connector", ["ExampleConnector", "LMCacheConnectorV1", "LMCacheConnectorV1-layerwise"])
+@pytest.mark.parametrize(
+    "connector", ["ExampleConnector", "LMCacheConnectorV1", "LMCacheConnectorV1-synchronous"]
+)
 def test_tp2_cold_and_warm_equal_no_connector(llama, tmp_path, connector):
     path, expected = llama
     if connector == "ExampleConnector":
         extra = {"shared_storage_path": str(tmp_path)}
     else:
         extra = {"chunk_size": 16, "local_cpu": True, "max_local_cpu_size": 0.01}
-        if connector.endswith("-layerwise"):  # each rank loads and saves its layers on its own threads
+        if connector.endswith("-synchronous"):  # the default is layer by layer, on each rank's threads
             connector = "LMCacheConnectorV1"
-            extra["use_layerwise"] = True
+            extra["use_layerwise"] = False
     llm = LLM(path, tensor_parallel_size=2, **KW,
               kv_transfer_config={"kv_connector": connector, "kv_role": "kv_both",
                                   "kv_connector_extra_config": extra})
