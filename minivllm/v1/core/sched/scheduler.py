@@ -142,16 +142,28 @@ class Scheduler:
         if ect is not None and ect.is_ec_transfer_instance:
             self.ec_connector = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.SCHEDULER)
         self.is_encoder_only = ect is not None and ect.is_ec_producer_only
-        # speculative decoding (chapter 43c): k draft tokens per request and step; a draft model also writes
-        # the KV of the tokens it proposes, so its requests get k lookahead slots
-        self.speculative_config = getattr(vllm_config, "speculative_config", None)
-        self.num_spec_tokens = self.num_lookahead_tokens = 0
-        if self.speculative_config is not None:
-            self.num_spec_tokens = self.speculative_config.num_speculative_tokens
-            if self.speculative_config.method == "draft_model":
-                self.num_lookahead_tokens = self.num_spec_tokens
-        self._scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        self._spec_decoding_stats = None  # a SpecDecodingStats until the next make_stats
+
+# %% ../../../../nbs/23_scheduler.ipynb
+@patch(as_prop=True)
+def num_spec_tokens(self: Scheduler) -> int:
+    "k, the draft tokens per request and step (0 without a `speculative_config`, chapter 01c)."
+    sc = getattr(self.vllm_config, "speculative_config", None)
+    return 0 if sc is None else sc.num_speculative_tokens
+
+
+@patch(as_prop=True)
+def num_lookahead_tokens(self: Scheduler) -> int:
+    "Slots beyond the scheduled tokens: k for a draft model, which writes the KV of the tokens it proposes."
+    sc = getattr(self.vllm_config, "speculative_config", None)
+    return self.num_spec_tokens if sc is not None and sc.method == "draft_model" else 0
+
+
+@patch
+def _take_scheduled_spec_decode_tokens(self: Scheduler) -> dict[str, list[int]]:
+    "This step's drafts (req_id -> token ids, filled by `_schedule_running`), cleared for the next step."
+    spec = getattr(self, "_scheduled_spec_decode_tokens", None) or {}
+    self._scheduled_spec_decode_tokens = {}
+    return spec
 
 # %% ../../../../nbs/23_scheduler.ipynb #1b0f13f7
 @patch
@@ -288,7 +300,6 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     self._encoder_budget = self.max_num_encoder_input_tokens  # this step's encoder work, in embeddings
     self._scheduled_encoder_inputs: dict[str, list[int]] = {}
     self._external_load_encoder_inputs: dict[str, list[int]] = {}
-    self._scheduled_spec_decode_tokens = {}
     scheduled_running, preempted, token_budget = self._schedule_running(
         self.max_num_scheduled_tokens, now, num_scheduled_tokens, new_block_ids
     )
@@ -448,6 +459,7 @@ def _schedule_running(
 ) -> tuple[list[Request], list[Request], int]:
     """Schedule the RUNNING requests, filling `num_scheduled_tokens` and `new_block_ids`.
     Returns (scheduled, preempted, token budget left)."""
+    self._scheduled_spec_decode_tokens: dict[str, list[int]] = {}  # this step's drafts, req_id -> ids
     scheduled: list[Request] = []
     preempted: list[Request] = []
     req_index = 0
@@ -772,7 +784,7 @@ def _make_scheduler_output(
         finished_req_ids=self.finished_req_ids,
         preempted_req_ids={r.request_id for r in preempted},
         scheduled_encoder_inputs=self._scheduled_encoder_inputs,
-        scheduled_spec_decode_tokens=self._scheduled_spec_decode_tokens,
+        scheduled_spec_decode_tokens=self._take_scheduled_spec_decode_tokens(),
         free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
     )
     if self.connector is not None:
@@ -898,7 +910,7 @@ def _update_spec_decode_progress(
     request.num_computed_tokens -= num_draft_tokens - num_accepted
     if not self.log_stats:
         return
-    if self._spec_decoding_stats is None:
+    if getattr(self, "_spec_decoding_stats", None) is None:
         from minivllm.v1.spec_decode.metrics import SpecDecodingStats
 
         self._spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
@@ -920,10 +932,10 @@ def _set_spec_token_ids(self: Scheduler, request: Request, spec_token_ids: list[
 @patch
 def _take_spec_decoding_stats(self: Scheduler):
     "The interval's `SpecDecodingStats` (None if nothing was drafted), reset for the next one."
-    stats, self._spec_decoding_stats = self._spec_decoding_stats, None
+    stats, self._spec_decoding_stats = getattr(self, "_spec_decoding_stats", None), None
     return stats
 
-
+# %% ../../../../nbs/23_scheduler.ipynb
 @patch
 def _validate_spec_tokens(self: Scheduler, request: Request, spec_token_ids: list[int]) -> list[int]:
     """The longest prefix of the drafts that `request`'s grammar accepts without reaching a dead end (a state
@@ -946,7 +958,7 @@ def _validate_spec_tokens(self: Scheduler, request: Request, spec_token_ids: lis
         grammar.rollback(accepted)
     return spec_token_ids[:kept]
 
-
+# %% ../../../../nbs/23_scheduler.ipynb
 @patch
 def _spec_grammar_bitmask(
     self: Scheduler, ids: list[str], bitmask: np.ndarray, spec: dict[str, list[int]]
