@@ -143,7 +143,7 @@ class Scheduler:
             self.ec_connector = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.SCHEDULER)
         self.is_encoder_only = ect is not None and ect.is_ec_producer_only
 
-# %% ../../../../nbs/23_scheduler.ipynb
+# %% ../../../../nbs/23_scheduler.ipynb #e23589f5
 @patch(as_prop=True)
 def num_spec_tokens(self: Scheduler) -> int:
     "k, the draft tokens per request and step (0 without a `speculative_config`, chapter 01c)."
@@ -935,7 +935,7 @@ def _take_spec_decoding_stats(self: Scheduler):
     stats, self._spec_decoding_stats = getattr(self, "_spec_decoding_stats", None), None
     return stats
 
-# %% ../../../../nbs/23_scheduler.ipynb
+# %% ../../../../nbs/23_scheduler.ipynb #53af3d22
 @patch
 def _validate_spec_tokens(self: Scheduler, request: Request, spec_token_ids: list[int]) -> list[int]:
     """The longest prefix of the drafts that `request`'s grammar accepts without reaching a dead end (a state
@@ -958,7 +958,7 @@ def _validate_spec_tokens(self: Scheduler, request: Request, spec_token_ids: lis
         grammar.rollback(accepted)
     return spec_token_ids[:kept]
 
-# %% ../../../../nbs/23_scheduler.ipynb
+# %% ../../../../nbs/23_scheduler.ipynb #5326d722
 @patch
 def _spec_grammar_bitmask(
     self: Scheduler, ids: list[str], bitmask: np.ndarray, spec: dict[str, list[int]]
