@@ -263,7 +263,7 @@ def _sim_cost_model(simulate: Any) -> dict | None:
         return dict(simulate)
     return simulate.to_dict()
 
-# %% ../../nbs/29a_arg_utils.ipynb
+# %% ../../nbs/29a_arg_utils.ipynb #cfc45378
 @patch
 def create_engine_config(self: EngineArgs, usage_context: Any = None) -> VllmConfig:
     """Validate and group the settings. Raises ValueError naming the field for bad values, a model folder
