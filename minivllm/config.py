@@ -22,11 +22,11 @@ from minivllm.compilation_config import (
 
 # %% auto #0
 __all__ = ['DTYPE_CHOICES', 'logger', 'MAX_BLOCK_SIZE', 'MULTIMODAL_ARCHITECTURES', 'MM_PREFIX_LM_ARCHITECTURES',
-           'DEFAULT_MM_LIMIT_PER_PROMPT', 'KV_ROLES', 'EC_ROLES', 'resolve_dtype', 'cpu_has_native_bf16',
-           'resolve_auto_dtype_for_cpu', 'verify_seed', 'verify_block_size', 'MultiModalConfig', 'ModelConfig',
-           'CacheConfig', 'SchedulerConfig', 'ParallelConfig', 'DeviceConfig', 'KVTransferConfig', 'config_from_json',
-           'ECTransferConfig', 'KVEventsConfig', 'ObservabilityConfig', 'VllmConfig', 'set_current_vllm_config',
-           'get_current_vllm_config']
+           'DEFAULT_MM_LIMIT_PER_PROMPT', 'MM_MODALITIES', 'KV_ROLES', 'EC_ROLES', 'resolve_dtype',
+           'cpu_has_native_bf16', 'resolve_auto_dtype_for_cpu', 'verify_seed', 'verify_block_size', 'MultiModalConfig',
+           'ModelConfig', 'CacheConfig', 'SchedulerConfig', 'ParallelConfig', 'DeviceConfig', 'KVTransferConfig',
+           'config_from_json', 'ECTransferConfig', 'KVEventsConfig', 'ObservabilityConfig', 'VllmConfig',
+           'set_current_vllm_config', 'get_current_vllm_config']
 
 # %% ../nbs/01_config.ipynb #deaa0270
 _STR_DTYPE = {
@@ -111,6 +111,7 @@ def verify_block_size(block_size: Any) -> None:
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}
 MM_PREFIX_LM_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}  # bidirectional attention inside an image
 DEFAULT_MM_LIMIT_PER_PROMPT = 999  # vLLM's default for a modality --limit-mm-per-prompt does not name
+MM_MODALITIES = ("image",)  # what minivllm's vision-language models take
 
 
 @dataclass
@@ -132,6 +133,11 @@ class MultiModalConfig:
         for modality, n in self.limit_per_prompt.items():
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an int >= 0; got {n!r}")
+            if modality not in MM_MODALITIES and n > 0:  # vLLM refuses a modality the model cannot take
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}]: the model takes {', '.join(MM_MODALITIES)} only "
+                    f"(at most 0 {modality} items); got {n}"
+                )
         if self.mm_processor_cache_type not in ("lru", "processor_only"):
             raise ValueError(
                 f"mm_processor_cache_type must be lru or processor_only; got {self.mm_processor_cache_type!r}"

@@ -118,3 +118,15 @@ def test_recursive_constraint_that_can_end_is_served(real):
     )
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("limit", ['{"video": 2}', '{"audio": 1, "image": 2}'])
+def test_limit_for_a_modality_the_model_cannot_take_is_refused(vlm, limit):
+    "`--limit-mm-per-prompt '{\"video\": 2}'` on an image-only model started and ignored it; vLLM refuses it."
+    from minivllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=vlm.llm.model_config.model, limit_mm_per_prompt=limit)
+    with pytest.raises(
+        ValueError, match=r"limit_mm_per_prompt\['(video|audio)'\].*at most 0 (video|audio) items"
+    ):
+        args.create_engine_config()
