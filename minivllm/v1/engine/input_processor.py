@@ -210,7 +210,7 @@ def _process_multimodal(self: InputProcessor, prompt: Any):
         text, prompt["multi_modal_data"], tokenize, prompt.get("multi_modal_uuids")
     )
 
-
+# %% ../../../nbs/25_input_processor.ipynb #e2bbc976
 @patch
 def _make_mm_features(self: InputProcessor, mm_inputs) -> list[MultiModalFeatureSpec] | None:
     "Check the images against the engine's budgets, commit them to the processor cache, build the features."
