@@ -88,7 +88,7 @@ def _adapter_file(lora_dir: str) -> str:
         )
     raise ValueError(f"lora_path: {lora_dir!r} has no adapter_model.safetensors")
 
-
+# %% ../../nbs/30j_lora_models.ipynb #b6ba84e2
 def check_lora_tensors(lora_dir: str, hf_config: Any, max_lora_rank: int) -> dict[str, int]:
     """Check `lora_dir/adapter_model.safetensors` against the model without loading it: every tensor a
     `lora_A`/`lora_B` weight of a supported module of an existing layer, A and B paired, shapes (r, in) /

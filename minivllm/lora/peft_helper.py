@@ -106,7 +106,7 @@ class PEFTHelper:
                 f"target_modules: {unknown} are not supported; supported: {list(SUPPORTED_LORA_MODULES)}"
             )
 
-
+# %% ../../nbs/30g_peft_helper.ipynb #a47acc58
 def _module_names(target_modules: list[str] | str) -> list[str]:
     "The last name component of each target (PEFT also allows full dotted names); a regex string: none known."
     if isinstance(target_modules, str):

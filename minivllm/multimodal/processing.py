@@ -93,7 +93,7 @@ def _count_image_positions(tokenizer_path: str, image_seq_length: int) -> int:
 
     return max(fallback, count("x" + seq * 2 + "x") - count("x" + seq + "x"))
 
-
+# %% ../../nbs/25e_mm_processing.ipynb #d99a4696
 def get_num_tokens_per_image(model_config) -> int:
     """Prompt positions one image without pan-and-scan crops takes once its marker is expanded: the
     tokenized `\n\n<start_of_image>` + `image_seq_length` soft tokens + `<end_of_image>\n\n`, counted as the
