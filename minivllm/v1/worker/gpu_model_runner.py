@@ -893,6 +893,19 @@ def _execute_encoder_only(self: GPUModelRunner, scheduler_output: SchedulerOutpu
         output.ec_connector_output = ec_connector_output
     return output
 
+# %% ../../../nbs/43_gpu_model_runner.ipynb #469edbd0
+@patch
+def _model_forward(self: GPUModelRunner, model, num_input_tokens: int, inputs_embeds, pp) -> Any:
+    """One forward of `model` (eager or graph) over the step's first `num_input_tokens` (padded) positions:
+    from image embeddings, from token ids, or on a later pipeline stage from the previous stage's
+    activations. Returns hidden states (num_input_tokens, hidden_size) or `IntermediateTensors`."""
+    ids, pos = self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens]
+    if inputs_embeds is not None:
+        return model(None, pos, inputs_embeds=inputs_embeds)
+    if pp.is_first_rank:
+        return model(ids, pos)
+    return model(ids, pos, IntermediateTensors(pp.recv_tensor_dict(device=self.device)))
+
 # %% ../../../nbs/43_gpu_model_runner.ipynb #9d72d302
 @patch
 @torch.inference_mode()
@@ -951,13 +964,7 @@ def execute_model(
         ),
         self.maybe_get_kv_connector_output(scheduler_output) as kv_connector_output,
     ):
-        ids, pos = self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens]
-        if inputs_embeds is not None:
-            hidden_states = model(None, pos, inputs_embeds=inputs_embeds)
-        elif pp.is_first_rank:
-            hidden_states = model(ids, pos)
-        else:  # a later pipeline stage starts from the previous stage's activations
-            hidden_states = model(ids, pos, IntermediateTensors(pp.recv_tensor_dict(device=self.device)))
+        hidden_states = self._model_forward(model, num_input_tokens, inputs_embeds, pp)
     self.clear_active_loras()
     if not pp.is_last_rank:  # hand them on; the last stage computes logits and samples
         pp.send_tensor_dict(hidden_states.tensors)
