@@ -120,16 +120,8 @@ class PrometheusStatLogger:
         token_buckets = build_1_2_5_buckets(max_model_len or 131072)
         self.registry = registry if registry is not None else CollectorRegistry()
         r, L = self.registry, ["model_name"]
-        # with LoRA: one series per (max_lora, waiting, running) adapter set, its value the last update time
         self.max_loras = max_loras
-        self.gauge_lora_info = None
-        if max_loras is not None:
-            self.gauge_lora_info = Gauge(
-                "vllm:lora_requests_info",
-                "Running stats on lora requests.",
-                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                registry=r,
-            )
+        self.gauge_lora_info = self._make_lora_info_gauge()  # None without LoRA
 
         def gauge(name, doc):
             return Gauge(name, doc, L, registry=r).labels(model_name)
@@ -186,6 +178,21 @@ class PrometheusStatLogger:
         self._make_kv_residency_histograms(histogram)
         self._last_preemptions = 0
         self.spec_decoding_prom: SpecDecodingProm | None = None  # vllm:spec_decode_*, made at the first draft
+
+# %% ../../../nbs/52_metrics_loggers.ipynb #9ea1155a
+@patch
+def _make_lora_info_gauge(self: PrometheusStatLogger) -> Gauge | None:
+    """`vllm:lora_requests_info` when the engine serves LoRA (`max_loras` set), else None: one series per
+    (max_lora, waiting adapters, running adapters) label set, its value the time of the last update.
+    Source: vLLM v0.15 v1/metrics/loggers.py `PrometheusStatLogger.gauge_lora_info`."""
+    if self.max_loras is None:
+        return None
+    return Gauge(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        registry=self.registry,
+    )
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #dece05c1
 @patch
