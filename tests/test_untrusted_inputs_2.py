@@ -130,3 +130,31 @@ def test_limit_for_a_modality_the_model_cannot_take_is_refused(vlm, limit):
         ValueError, match=r"limit_mm_per_prompt\['(video|audio)'\].*at most 0 (video|audio) items"
     ):
         args.create_engine_config()
+
+
+def test_client_leaving_while_its_images_are_processed_does_not_poison_the_cache(vlm, monkeypatch):
+    """A client that leaves while its images are processed: the processor has already marked the images as
+    sent to the engine's cache, so the request must still reach the engine (and be aborted there). Dropped
+    instead, the next request with the same image was rejected ('sent without data and is not in the
+    receiver cache')."""
+    processor = vlm.llm.input_processor
+    inside, release = threading.Event(), threading.Event()
+    original = processor._process_multimodal
+
+    def held(prompt):
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") and not release.is_set():
+            inside.set()
+            release.wait(30)
+        return original(prompt)
+
+    monkeypatch.setattr(processor, "_process_multimodal", held)
+    messages = images_message([data_url(small_png(11))])
+    impatient = vlm.client.with_options(timeout=1.0, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert inside.wait(30)
+    release.set()
+    vlm.wait_idle()
+    again = vlm.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert again.choices[0].finish_reason == "length"
+    vlm.wait_idle()

@@ -9,7 +9,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -347,7 +347,7 @@ async def _add_request(
     )
     if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
         # decoding and the HF processor take about a second an image: off the loop, others keep being served
-        request = await asyncio.get_running_loop().run_in_executor(self._mm_executor, process)
+        request = await self._process_off_loop(process)
     else:
         request = process()
     self.input_processor.assign_request_id(request)
@@ -381,6 +381,34 @@ def _abort_nowait(self: AsyncLLM, request_ids: list[str]) -> None:
         return  # no loop any more: the engine goes down with it
     self._abort_tasks.add(task)
     task.add_done_callback(self._abort_tasks.discard)
+
+# %% ../../../nbs/51_async_llm.ipynb #4831a440
+@patch
+async def _process_off_loop(self: AsyncLLM, process: Callable[[], Any]) -> Any:
+    """`process()` (a prompt with images through `InputProcessor.process_inputs`) on the multimodal thread.
+    If the caller is cancelled meanwhile (its client left), the processing still finishes and its request
+    is sent to the engine and aborted there: the processor cache has already marked the images as sent, and
+    the engine's cache would otherwise lack them for the next request that names them."""
+    future = asyncio.get_running_loop().run_in_executor(self._mm_executor, process)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        task = asyncio.ensure_future(self._send_and_abort(future))
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+        raise
+
+
+@patch
+async def _send_and_abort(self: AsyncLLM, future: asyncio.Future) -> None:
+    "Send the request `future` gives (if it gives one) to the engine, then abort it."
+    try:
+        request = await future
+    except Exception:  # refused: nothing was marked as sent
+        return
+    self.input_processor.assign_request_id(request)
+    await self.engine_core.add_request_async(request)
+    await self.engine_core.abort_requests_async([request.request_id])
 
 # %% ../../../nbs/51_async_llm.ipynb #64cbe6b4
 @patch
