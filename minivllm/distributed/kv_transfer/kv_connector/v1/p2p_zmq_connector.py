@@ -236,7 +236,7 @@ class P2pZmqConnectorWorker:
             self._to_send.update(meta.reqs_to_send)
         if not meta.reqs_to_recv:
             return
-        if self._puller is None:
+        if self._puller is None or not self._puller.is_alive():  # the last guard: replace a dead thread
             self._puller = threading.Thread(target=self._pull_loop, name="p2p-zmq-pull", daemon=True)
             self._puller.start()
         for req_id, recv in meta.reqs_to_recv.items():
@@ -329,6 +329,8 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
     ids = msg.get("block_ids", [])
     if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         return _reply(b"ERROR", tag, error="block_ids must be a list of ints")
+    if len(set(ids)) != len(ids):  # a repeated id would make the reply (and its copy) as large as asked
+        return _reply(b"ERROR", tag, error="block_ids must not repeat a block")
     held = set(entry[0])
     if not set(ids) <= held:
         return _reply(b"ERROR", tag, error=f"blocks {sorted(set(ids) - held)} are not held for request {rid}")
@@ -347,8 +349,8 @@ def _pull_loop(self: P2pZmqConnectorWorker) -> None:
             for sock, _ in self._poller.poll(self._next_timer_ms()):
                 if sock == self._wake_r.fileno():
                     self._wake_r.recv(4096)
-                elif (peer := self._owner.get(sock)) is not None:
-                    self._on_monitor(peer) if sock is peer.monitor else self._on_reply(peer)
+                elif sock in self._owner:
+                    self._on_event(sock)
             while True:
                 try:
                     req_id, recv = self._inbox.get_nowait()
@@ -400,6 +402,17 @@ def _close_peer(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
     peer.sock.disable_monitor()
     peer.monitor.close(linger=0)
     peer.sock.close(linger=0)
+
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #67fe351f
+@patch
+def _on_event(self: P2pZmqConnectorWorker, sock: Any) -> None:
+    "A peer socket's event (`sock` is its DEALER or its monitor); an exception fails that peer's pulls only."
+    peer = self._owner[sock]
+    try:
+        self._on_monitor(peer) if sock is peer.monitor else self._on_reply(peer)
+    except Exception as e:  # a peer's bytes are untrusted: never let them stop the pull thread
+        logger.warning("P2pZmqConnector: handling %s failed (%s: %s)", peer.addr, type(e).__name__, e)
+        self._fail_peer(peer, f"{type(e).__name__}: {e}")
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #5a99d764
 @patch
@@ -501,7 +514,7 @@ def _on_reply(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
         kind = frames[0].bytes
         try:
             head = json.loads(frames[1].bytes) if len(frames) > 1 else None
-        except ValueError:
+        except (ValueError, RecursionError):  # deeply nested JSON raises RecursionError, not ValueError
             head = None
         tag = head.get("tag") if isinstance(head, dict) else None
         pull = peer.pulls.get(tag) if isinstance(tag, str) else None

@@ -1,0 +1,170 @@
+"""A try-to-break pass on the KV connectors (issue 30's "fresh helper"): what a client or a peer can send
+that must neither kill an engine nor hang its requests.
+
+1. P2pZmqConnector consumer: a peer (any host:port a client names in `kv_transfer_params`) that answers a
+   READ with a deeply nested JSON header made `json.loads` raise `RecursionError` (not a `ValueError`) on the
+   pull thread; the thread died, and every later pull of that engine waited forever. The bad request must be
+   recomputed, and a good pull after it must still be transferred.
+2. P2pZmqConnector producer: a READ naming the request's blocks 1000 times was answered with 1000x the bytes
+   (a million repeats: a copy that size per layer, enough to run the producer out of memory).
+"""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+
+from minivllm import LLM, SamplingParams
+from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
+from minivllm.testing import make_tiny_checkpoint
+
+PROMPT = list(range(5, 5 + 37))
+MAX_TOKENS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _llm(ckpt, kvt=None):
+    return LLM(ckpt, dtype="float32", max_model_len=128, block_size=16, kv_transfer_config=kvt)
+
+
+def _sp(params=None, max_tokens=MAX_TOKENS):
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+
+def _run_until(llm, request_id: str, finished: dict, timeout: float = 40.0) -> None:
+    "Step `llm` until `request_id` finished; fails (never hangs) after `timeout` seconds."
+    t0 = time.monotonic()
+    while request_id not in finished:
+        assert time.monotonic() - t0 < timeout, f"{request_id} did not finish within {timeout} s"
+        finished.update({out.request_id: out for out in llm.llm_engine.step() if out.finished})
+
+
+def _count_scheduled(llm) -> list:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    counts, schedule = [], scheduler.schedule
+
+    def counting():
+        so = schedule()
+        counts.append(so.total_num_scheduled_tokens)
+        return so
+
+    scheduler.schedule = counting
+    return counts
+
+
+class _EvilPeer:
+    "A ROUTER on 127.0.0.1 that answers every message with `reply` frames (after the identity)."
+
+    def __init__(self, port: int, reply: list[bytes]):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.reply = reply
+        self.num_answered = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart()
+                self.sock.send_multipart([frames[0], *self.reply])
+                self.num_answered += 1
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_nested_json_answer_does_not_stop_later_pulls(ckpt):
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    port = free_port()
+    prod = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port})
+    cons = _llm(
+        ckpt,
+        {
+            "kv_connector": "P2pZmqConnector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"transfer_timeout_s": 5},
+        },
+    )
+    worker = get_kv_transfer_group_or_none().connector_worker  # the consumer's (built last)
+    evil_port = free_port()
+    evil = _EvilPeer(evil_port, [b"OK", b"[" * 100_000])  # json.loads: RecursionError, not ValueError
+    try:
+        first = prod.generate(
+            [{"prompt_token_ids": PROMPT}], _sp({"do_remote_decode": True}, 1), use_tqdm=False
+        )[0]
+        prod.llm_engine.step()  # registers the blocks with the producer's server
+        good = first.kv_transfer_params
+        bad = dict(good, remote_request_id="someone-else", remote_port=evil_port)
+        finished = {}
+        counts = _count_scheduled(cons)
+        cons.llm_engine.add_request("bad", {"prompt_token_ids": PROMPT}, _sp(bad))
+        _run_until(cons, "bad", finished)
+        assert finished["bad"].outputs[0].token_ids == want  # recomputed
+        assert sum(counts) == len(PROMPT) + MAX_TOKENS - 1
+        assert evil.num_answered >= 1  # the poisoned answer was really read
+        assert worker._puller is not None and worker._puller.is_alive()  # before: died with the bad pull
+        counts.clear()
+        cons.llm_engine.add_request("good", {"prompt_token_ids": PROMPT}, _sp(good))
+        _run_until(cons, "good", finished)  # before: waited forever (nobody ran the pull)
+        assert finished["good"].outputs[0].token_ids == want
+        assert sum(counts) == 1 + MAX_TOKENS - 1  # transferred, not recomputed
+    finally:
+        evil.close()
+        prod.llm_engine.shutdown()
+        cons.llm_engine.shutdown()
+
+
+def test_producer_refuses_repeated_block_ids(ckpt):
+    """4. Anyone who can reach a producer's kv_port and holds one request's parameters (its client does) could
+    ask for its blocks repeated a million times: the producer gathered them all into one reply (a copy that
+    size per layer), enough to run it out of memory. A READ naming a block twice is refused."""
+    port = free_port()
+    prod = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        first = prod.generate(
+            [{"prompt_token_ids": PROMPT}], _sp({"do_remote_decode": True}, 1), use_tqdm=False
+        )[0]
+        prod.llm_engine.step()  # registers the blocks with the producer's server
+        params = first.kv_transfer_params
+        sock.connect(f"tcp://127.0.0.1:{port}")
+
+        def read(block_ids):
+            msg = {"req_id": params["remote_request_id"], "tag": "t", "block_ids": block_ids}
+            sock.send_multipart([b"READ", json.dumps(msg).encode()])
+            assert sock.poll(10_000), "the producer did not answer"
+            return sock.recv_multipart()
+
+        ok = read(params["remote_block_ids"])
+        assert ok[0] == b"OK" and len(ok) == 2 + len(json.loads(ok[1])["layers"])  # the legitimate read
+        refused = read(params["remote_block_ids"] * 1000)
+        assert refused[0] == b"ERROR" and b"repeat" in refused[1]  # before: OK, 1000x the bytes
+    finally:
+        sock.close(0)
+        ctx.term()
+        prod.llm_engine.shutdown()
