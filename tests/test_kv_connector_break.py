@@ -9,6 +9,7 @@ that must neither kill an engine nor hang its requests.
    (a million repeats: a copy that size per layer, enough to run the producer out of memory).
 """
 
+import errno
 import json
 import socket
 import threading
@@ -168,3 +169,37 @@ def test_producer_refuses_repeated_block_ids(ckpt):
         sock.close(0)
         ctx.term()
         prod.llm_engine.shutdown()
+
+
+# ---- ExampleConnector: a full disk ----
+
+
+def test_example_connector_full_disk_keeps_serving(ckpt, tmp_path, monkeypatch):
+    """3. ExampleConnector on a full disk: `save_file` raising ENOSPC in `wait_for_save` propagated out of the
+    forward and killed the engine, leaving its half-written `tmp*.tmp`. A failed save is logged and skipped:
+    the same tokens, nothing left in the folder."""
+    from minivllm.distributed.kv_transfer.kv_connector.v1 import example_connector
+
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    attempts = []
+
+    def full_disk(tensors, filename, *a, **kw):
+        attempts.append(filename)
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)  # part of the file reached the disk, then it filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(example_connector, "save_file", full_disk)
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = _llm(ckpt, kvt)
+    try:
+        for _ in range(2):  # the second run finds nothing stored and tries again
+            out = llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == want
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(attempts) >= 2  # the saves really were tried, and failed
+    assert sorted(tmp_path.iterdir()) == []  # no temporary and no partial file left

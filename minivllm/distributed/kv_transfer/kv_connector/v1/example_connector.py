@@ -204,10 +204,18 @@ def wait_for_save(self: ExampleConnector) -> None:
     for key, tensors in self._pending.items():
         if set(tensors) != set(self._kv_caches):
             continue  # a partial forward (some layers did not run): nothing trustworthy to write
-        fd, tmp = tempfile.mkstemp(dir=self._storage, suffix=".tmp")
-        os.close(fd)
-        save_file(tensors, tmp)
-        os.replace(tmp, self._path(key))
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self._storage, suffix=".tmp")
+            os.close(fd)
+            save_file(tensors, tmp)
+            os.replace(tmp, self._path(key))
+        except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
+            logger.warning(
+                "ExampleConnector: cannot save %s (%s); the block is not stored", self._path(key), e
+            )
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
     self._pending.clear()
 
 
