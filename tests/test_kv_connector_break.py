@@ -203,3 +203,31 @@ def test_example_connector_full_disk_keeps_serving(ckpt, tmp_path, monkeypatch):
         llm.llm_engine.shutdown()
     assert len(attempts) >= 2  # the saves really were tried, and failed
     assert sorted(tmp_path.iterdir()) == []  # no temporary and no partial file left
+
+
+def test_example_connector_broadcastable_file_is_not_served(ckpt, tmp_path):
+    """4. ExampleConnector: a stored file whose tensors have a shape that broadcasts into a block (here one
+    element per layer) passed `copy_` without an error, so the block was served as that one value repeated
+    (silently wrong tokens). A tensor whose shape or dtype is not the block's is damaged: recomputed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    for poisoned in (False, True):
+        if poisoned:
+            for f in tmp_path.glob("*.safetensors"):
+                names = load_file(f)
+                save_file({name: torch.full((1, 1, 1, 1), 1e4) for name in names}, f)
+        llm = _llm(ckpt, kvt)
+        counts = _count_scheduled(llm)
+        try:
+            out = llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0]
+        finally:
+            llm.llm_engine.shutdown()
+        assert out.outputs[0].token_ids == want
+        if poisoned:  # every stored block was refused and recomputed
+            assert sum(counts) > len(PROMPT) - len(PROMPT) // 16 * 16 + MAX_TOKENS - 1

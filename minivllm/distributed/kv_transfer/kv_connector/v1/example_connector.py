@@ -180,8 +180,12 @@ def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -
         try:
             tensors = load_file(self._path(key))
             for name, cache in self._kv_caches.items():
-                cache[:, block_id].copy_(tensors[name])
-        except (OSError, SafetensorError, KeyError, RuntimeError) as e:
+                block = cache[:, block_id]
+                if tensors[name].shape != block.shape or tensors[name].dtype != block.dtype:
+                    # copy_ would broadcast a (1, 1, 1, 1) tensor into the block: refuse, never serve it
+                    raise ValueError(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}")
+                block.copy_(tensors[name])
+        except (OSError, SafetensorError, KeyError, RuntimeError, ValueError) as e:
             logger.warning("ExampleConnector: cannot load block %d from %s: %s", block_id, self._path(key), e)
             self._invalid_block_ids.add(block_id)
 
