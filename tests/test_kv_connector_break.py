@@ -231,3 +231,41 @@ def test_example_connector_broadcastable_file_is_not_served(ckpt, tmp_path):
         assert out.outputs[0].token_ids == want
         if poisoned:  # every stored block was refused and recomputed
             assert sum(counts) > len(PROMPT) - len(PROMPT) // 16 * 16 + MAX_TOKENS - 1
+
+
+# ---- ECExampleConnector (images): a full disk ----
+
+
+def test_ec_connector_full_disk_keeps_serving(tmp_path_factory, tmp_path, monkeypatch):
+    """5. ECExampleConnector on a full disk: `save_file` raising ENOSPC in `save_caches` left the encoder step
+    and killed the engine. A failed save is logged and skipped: the plain tokens, no temporary file left."""
+    import numpy as np
+    from PIL import Image
+
+    from minivllm.distributed.ec_transfer.ec_connector import example_connector as ec_example
+
+    g3 = make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+    img = Image.fromarray(np.random.default_rng(3).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    req = {"prompt": "<bos>Look at <start_of_image> and say", "multi_modal_data": {"image": [img]}}
+    plain = LLM(g3, dtype="float32", block_size=4)
+    want = plain.generate([req], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    plain.llm_engine.shutdown()
+    attempts = []
+
+    def full_disk(tensors, filename, *a, **kw):
+        attempts.append(filename)
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)  # part of the file reached the disk, then it filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ec_example, "save_file", full_disk)
+    ect = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+           "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = LLM(g3, dtype="float32", block_size=4, ec_transfer_config=ect)
+    try:
+        out = llm.generate([req], _sp(), use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()
+    assert out.outputs[0].token_ids == want
+    assert len(attempts) == 1  # the save really was tried, and failed
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no temporary or partial file left

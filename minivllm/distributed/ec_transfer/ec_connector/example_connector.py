@@ -124,14 +124,17 @@ def save_caches(
     if not self.is_producer:
         return
     tensor = encoder_cache[mm_hash].detach().to("cpu").contiguous()
-    folder = self._generate_foldername_debug(mm_hash, create_folder=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        folder = self._generate_foldername_debug(mm_hash, create_folder=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        os.close(fd)
         save_file({"ec_cache": tensor}, tmp)
         os.replace(tmp, self._generate_filename_debug(mm_hash))
+    except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
+        logger.warning("EC connector: cannot save encoder output %s (%s); it is not stored", mm_hash, e)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
 
 
