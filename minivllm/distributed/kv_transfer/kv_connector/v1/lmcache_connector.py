@@ -398,6 +398,9 @@ class _LayerwiseSave:
 # %% ../../../../../nbs/48c_lmcache_connector.ipynb #0f151e23
 def _serial_intraop() -> None:
     "Make this thread's torch CPU kernels single-threaded (its OpenMP setting only); no-op off Linux/libgomp."
+    # torch initialises a new thread's OpenMP count lazily, on its first query, to the count of the last
+    # torch.set_num_threads in the process: let it do so now, or it would undo the 1 below on the first copy
+    torch.get_num_threads()
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line}
