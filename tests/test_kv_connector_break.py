@@ -11,6 +11,7 @@ that must neither kill an engine nor hang its requests.
 
 import errno
 import json
+import os
 import socket
 import threading
 import time
@@ -269,3 +270,44 @@ def test_ec_connector_full_disk_keeps_serving(tmp_path_factory, tmp_path, monkey
     assert out.outputs[0].token_ids == want
     assert len(attempts) == 1  # the save really was tried, and failed
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no temporary or partial file left
+
+
+# ---- a tier entry that is not a regular file (a FIFO) ----
+
+
+def _unblock(path) -> None:
+    "Open `path` (a FIFO) for writing and close it, so a reader blocked on it sees end-of-file."
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # nobody is reading it (the fix): nothing to release
+        pass
+
+
+def _returns(fn, path) -> bool:
+    "Whether fn() returns within 10 s (a hang guard, not a timing claim); a blocked reader is released."
+    th = threading.Thread(target=fn, daemon=True)
+    th.start()
+    th.join(10)
+    blocked = th.is_alive()
+    if blocked:
+        _unblock(path)
+        th.join(10)
+    return not blocked
+
+
+def test_lmcache_disk_fifo_is_a_miss_not_a_hang(tmp_path):
+    """6. LMCache's disk tier: a FIFO where a chunk file should be (anyone who can write the folder can make
+    one) made `get` block in `read_bytes()` until someone wrote to it: the loading forward (the engine) hung.
+    Only a regular file is read; anything else is a counted, deleted miss."""
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
+        LocalDiskBackend,
+    )
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import CacheEngineKey
+
+    disk = LocalDiskBackend(tmp_path, 1 << 20)
+    key = CacheEngineKey("m", 1, 0, "abc", "float32")
+    os.mkfifo(disk._file(key))
+    got = []
+    assert _returns(lambda: got.append(disk.get(key)), disk._file(key)), "get blocked on a FIFO"
+    assert got == [None] and disk.num_errors == 1
+    assert not disk._file(key).exists()  # deleted

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import queue
+import stat
 import struct
 import tempfile
 import threading
@@ -188,9 +189,7 @@ class LocalDiskBackend:
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
         f = self._file(key)
         try:
-            if f.stat().st_size > self.max_bytes:  # never read a file the tier could not have written
-                raise ValueError(f"{f.stat().st_size} bytes is more than the tier holds")
-            kv = deserialize_kv(f.read_bytes())
+            kv = deserialize_kv(self._read(f))
         except FileNotFoundError:
             return None
         except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
@@ -202,6 +201,17 @@ class LocalDiskBackend:
             if f.name in self._index:
                 self._index.move_to_end(f.name)
         return kv
+
+    def _read(self, f: Path) -> bytes:
+        "`f`'s bytes; `ValueError` unless it is a regular file the tier could have written (never blocks)."
+        # O_NONBLOCK: opening a FIFO planted in the folder would otherwise wait for a writer, forever
+        with open(os.open(f, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            if st.st_size > self.max_bytes:  # never read a file the tier could not have written
+                raise ValueError(f"{st.st_size} bytes is more than the tier holds")
+            return fh.read()
 
     def remove(self, key: CacheEngineKey) -> bool:
         "Delete `key`'s file; True if it was there."
