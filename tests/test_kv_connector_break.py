@@ -311,3 +311,33 @@ def test_lmcache_disk_fifo_is_a_miss_not_a_hang(tmp_path):
     assert _returns(lambda: got.append(disk.get(key)), disk._file(key)), "get blocked on a FIFO"
     assert got == [None] and disk.num_errors == 1
     assert not disk._file(key).exists()  # deleted
+
+
+def test_example_connector_fifo_is_recomputed_not_a_hang(ckpt, tmp_path):
+    """7. ExampleConnector: a FIFO in place of a stored block's file counted as stored, and `load_file` waited
+    on it for a writer: the engine hung. Only regular files are loaded; the block is recomputed."""
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = _llm(ckpt, kvt)
+    llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)  # stores the prompt's blocks
+    llm.llm_engine.shutdown()
+    stored = sorted(tmp_path.glob("*.safetensors"))
+    assert stored
+    for f in stored:
+        f.unlink()
+        os.mkfifo(f)
+    llm = _llm(ckpt, kvt)
+    try:
+        got = []
+        run = lambda: got.append(llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0])  # noqa: E731
+        assert _returns(run, stored[0]), "the engine blocked on a FIFO"
+        for f in stored[1:]:
+            _unblock(f)
+        assert got[0].outputs[0].token_ids == want
+    finally:
+        for f in stored:
+            _unblock(f)
+        llm.llm_engine.shutdown()

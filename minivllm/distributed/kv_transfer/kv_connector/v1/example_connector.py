@@ -178,6 +178,8 @@ def register_kv_caches(self: ExampleConnector, kv_caches: dict[str, torch.Tensor
 def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -> None:
     for key, block_id in self._get_connector_metadata().loads:
         try:
+            if not self._path(key).is_file():  # a FIFO would block load_file until someone writes to it
+                raise ValueError("not a regular file")
             tensors = load_file(self._path(key))
             for name, cache in self._kv_caches.items():
                 block = cache[:, block_id]
