@@ -341,3 +341,31 @@ def test_example_connector_fifo_is_recomputed_not_a_hang(ckpt, tmp_path):
         for f in stored:
             _unblock(f)
         llm.llm_engine.shutdown()
+
+
+def test_ec_connector_fifo_is_encoded_not_a_hang(tmp_path_factory, tmp_path):
+    """8. ECExampleConnector: a FIFO in place of an encoder output's file made `load_file` wait for a writer:
+    the engine hung. Only a regular file is loaded; the image is encoded instead (the plain tokens)."""
+    import numpy as np
+    from PIL import Image
+
+    g3 = make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+    img = Image.fromarray(np.random.default_rng(4).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    req = {"prompt": "<bos>Look at <start_of_image> and say", "multi_modal_data": {"image": [img]}}
+    ect = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+           "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = LLM(g3, dtype="float32", block_size=4, ec_transfer_config=ect)
+    want = llm.generate([req], _sp(), use_tqdm=False)[0].outputs[0].token_ids  # encodes and stores
+    llm.llm_engine.shutdown()
+    (stored,) = tmp_path.rglob("encoder_cache.safetensors")
+    stored.unlink()
+    os.mkfifo(stored)
+    llm = LLM(g3, dtype="float32", block_size=4, ec_transfer_config=ect)
+    try:
+        got = []
+        run = lambda: got.append(llm.generate([req], _sp(), use_tqdm=False)[0])  # noqa: E731
+        assert _returns(run, stored), "the engine blocked on a FIFO"
+        assert got[0].outputs[0].token_ids == want
+    finally:
+        _unblock(stored)
+        llm.llm_engine.shutdown()

@@ -143,6 +143,8 @@ def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
     "The tensor of `mm`, or None (with a warning) when its file is missing, unreadable or of the wrong shape."
     path = self._generate_filename_debug(mm.mm_hash)
     try:
+        if path.exists() and not path.is_file():  # a FIFO would block load_file until someone writes to it
+            raise ValueError("not a regular file")
         tensor = load_file(str(path))["ec_cache"]
         width_ok = self._hidden_size is None or (tensor.dim() == 2 and tensor.shape[1] == self._hidden_size)
         if tensor.dim() != 2 or tensor.shape[0] != mm.num_token or not width_ok:
