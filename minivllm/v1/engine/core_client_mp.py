@@ -51,6 +51,7 @@ def _fix_scheduler_stats(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     s = outputs.scheduler_stats
     if isinstance(s, dict):
         pcs = s.get("prefix_cache_stats")
+        cpcs = s.get("connector_prefix_cache_stats")  # a KV connector's external hits, or None
         events = [
             KVCacheEvictionEvent(e["lifetime_seconds"], e["idle_seconds"], tuple(e["reuse_gaps_seconds"]))
             for e in s.get("kv_cache_eviction_events") or ()
@@ -62,6 +63,7 @@ def _fix_scheduler_stats(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
                 if isinstance(pcs, dict)
                 else PrefixCacheStats(),
                 "kv_cache_eviction_events": events,
+                "connector_prefix_cache_stats": PrefixCacheStats(**cpcs) if isinstance(cpcs, dict) else cpcs,
             }
         )
     return outputs
