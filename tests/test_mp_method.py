@@ -139,10 +139,13 @@ def test_spawn_refuses_the_guardless_script_with_the_hint(ckpt, tmp_path):
 
 
 def test_invalid_method_is_a_clear_error_before_any_ipc_file(ckpt, monkeypatch):
+    # the config is built first: create_engine_config itself refuses the bad value now (chapter 01b's table)
+    cfg = EngineArgs(model=ckpt, dtype="float32", max_model_len=64).create_engine_config()
     monkeypatch.setenv(MP_METHOD_ENV, "threads")
     with pytest.raises(ValueError, match=f"{MP_METHOD_ENV}='threads'.*fork, spawn, forkserver"):
         get_mp_context()
-    cfg = EngineArgs(model=ckpt, dtype="float32", max_model_len=64).create_engine_config()
+    with pytest.raises(ValueError, match=f"{MP_METHOD_ENV}='threads'"):
+        EngineArgs(model=ckpt, dtype="float32", max_model_len=64).create_engine_config()
     before = set(Path(tempfile.gettempdir()).glob("minivllm-*"))
     with pytest.raises(ValueError, match=MP_METHOD_ENV):
         EngineCoreClient.make_client(True, False, cfg, Executor.get_class(cfg), False)
