@@ -12,7 +12,6 @@ that must neither kill an engine nor hang its requests.
 import errno
 import json
 import os
-import socket
 import threading
 import time
 
@@ -22,20 +21,27 @@ import zmq
 from minivllm import LLM, SamplingParams
 from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
 from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.executor.multiproc_executor import get_open_port
 
 PROMPT = list(range(5, 5 + 37))
 MAX_TOKENS = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _full_disk_save_file(attempts: list):
+    "A safetensors `save_file` on a full disk: part of the file is written, then ENOSPC; logs each filename."
+
+    def full_disk(tensors, filename, *a, **kw):
+        attempts.append(filename)
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)  # part of the file reached the disk, then it filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return full_disk
 
 
 def _llm(ckpt, kvt=None):
@@ -100,7 +106,7 @@ def test_a_nested_json_answer_does_not_stop_later_pulls(ckpt):
     ref = _llm(ckpt)
     want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
     ref.llm_engine.shutdown()
-    port = free_port()
+    port = get_open_port()
     prod = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port})
     cons = _llm(
         ckpt,
@@ -111,7 +117,7 @@ def test_a_nested_json_answer_does_not_stop_later_pulls(ckpt):
         },
     )
     worker = get_kv_transfer_group_or_none().connector_worker  # the consumer's (built last)
-    evil_port = free_port()
+    evil_port = get_open_port()
     evil = _EvilPeer(evil_port, [b"OK", b"[" * 100_000])  # json.loads: RecursionError, not ValueError
     try:
         first = prod.generate(
@@ -143,7 +149,7 @@ def test_producer_refuses_repeated_block_ids(ckpt):
     """4. Anyone who can reach a producer's kv_port and holds one request's parameters (its client does) could
     ask for its blocks repeated a million times: the producer gathered them all into one reply (a copy that
     size per layer), enough to run it out of memory. A READ naming a block twice is refused."""
-    port = free_port()
+    port = get_open_port()
     prod = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port})
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -185,13 +191,7 @@ def test_example_connector_full_disk_keeps_serving(ckpt, tmp_path, monkeypatch):
     want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
     ref.llm_engine.shutdown()
     attempts = []
-
-    def full_disk(tensors, filename, *a, **kw):
-        attempts.append(filename)
-        with open(filename, "wb") as f:
-            f.write(b"\0" * 100)  # part of the file reached the disk, then it filled up
-        raise OSError(errno.ENOSPC, "No space left on device")
-
+    full_disk = _full_disk_save_file(attempts)
     monkeypatch.setattr(example_connector, "save_file", full_disk)
     kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
@@ -252,13 +252,7 @@ def test_ec_connector_full_disk_keeps_serving(tmp_path_factory, tmp_path, monkey
     want = plain.generate([req], _sp(), use_tqdm=False)[0].outputs[0].token_ids
     plain.llm_engine.shutdown()
     attempts = []
-
-    def full_disk(tensors, filename, *a, **kw):
-        attempts.append(filename)
-        with open(filename, "wb") as f:
-            f.write(b"\0" * 100)  # part of the file reached the disk, then it filled up
-        raise OSError(errno.ENOSPC, "No space left on device")
-
+    full_disk = _full_disk_save_file(attempts)
     monkeypatch.setattr(ec_example, "save_file", full_disk)
     ect = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
            "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
