@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,24 @@ from kernels.cpu_build import _cpu_model, cpu_flags, find_c_compiler, kernel_cac
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'CPU_GEMM_BUCKET_ROWS', 'CPU_GEMM_MARGIN', 'CPU_GEMM_RUNS', 'CPU_GEMM_KINDS', 'm_bucket',
-           'cpu_gemm_tuning_enabled', 'cpu_gemm_candidates', 'time_cpu_gemm', 'pick_kinds', 'cpu_gemm_kind_available',
-           'runnable_times', 'cpu_gemm_cache_path', 'select_cpu_gemm_kinds']
+__all__ = [
+    "logger",
+    "CPU_GEMM_BUCKET_ROWS",
+    "CPU_GEMM_MARGIN",
+    "CPU_GEMM_RUNS",
+    "CPU_GEMM_KINDS",
+    "m_bucket",
+    "cpu_gemm_tuning_enabled",
+    "cpu_gemm_candidates",
+    "llc_bytes",
+    "evict_cpu_caches",
+    "time_cpu_gemm",
+    "pick_kinds",
+    "cpu_gemm_kind_available",
+    "runnable_times",
+    "cpu_gemm_cache_path",
+    "select_cpu_gemm_kinds",
+]
 
 # %% ../../../nbs/30d_layer_utils.ipynb #43cd434a
 CPU_GEMM_BUCKET_ROWS = (1, 4, 16, 64)  # the row count each bucket is timed at (its upper end; 64 for 17+)
@@ -42,6 +58,7 @@ def cpu_gemm_tuning_enabled() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"MINIVLLM_CPU_GEMM_TUNING must be 0 or 1; got {value!r}")
     return value == "1"
+
 
 # %% ../../../nbs/30d_layer_utils.ipynb #2f52c240
 def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str, Callable]:
@@ -67,12 +84,40 @@ def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str,
         out["F.linear"] = lambda x, bias=None: F.linear(x, plain, bias)
     return out
 
+
 # %% ../../../nbs/30d_layer_utils.ipynb #772f65e5
+def llc_bytes() -> int:
+    """Bytes of this CPU's largest (last-level) cache, from `/sys/devices/system/cpu/cpu0/cache/index*/size`
+    ("32768K"); 32 MiB where that is not readable. Source: minivllm's own."""
+    best = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        best = max(best, int(digits) * scale if digits.isdigit() else 0)
+    return best or 32 << 20
+
+
+_EVICT: list[torch.Tensor] = []
+
+
+def evict_cpu_caches() -> None:
+    "Read a float32 buffer of twice `llc_bytes()` (allocated once per process): what was cached is evicted."
+    if not _EVICT:
+        _EVICT.append(torch.ones(2 * llc_bytes() // 4))
+    _EVICT[0].amax()
+
+
 def time_cpu_gemm(
     candidates: dict[str, Callable], k: int, dtype: torch.dtype, rounds: int = 5, budget_s: float = 0.15
 ) -> dict[str, list[float]]:
     """Best-of-rounds milliseconds of each candidate at each `CPU_GEMM_BUCKET_ROWS` row count:
-    `kind -> [ms per bucket]`. x is random (rows, k) of `dtype`. Source: minivllm's own."""
+    `kind -> [ms per bucket]`. x is random (rows, k) of `dtype`; every timed call starts after
+    `evict_cpu_caches()` (untimed), as each linear of a decode step starts with its weight in memory.
+    Source: minivllm's own."""
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(m, k, generator=g).to(dtype) for m in CPU_GEMM_BUCKET_ROWS]
     best = {kind: [float("inf")] * len(xs) for kind in candidates}
@@ -83,6 +128,7 @@ def time_cpu_gemm(
         for r in range(rounds):
             for b, x in enumerate(xs):
                 for kind, fn in candidates.items():
+                    evict_cpu_caches()
                     t = time.perf_counter()
                     fn(x)
                     best[kind][b] = min(best[kind][b], (time.perf_counter() - t) * 1e3)
@@ -99,6 +145,7 @@ def pick_kinds(times: dict[str, list[float]], default: str) -> tuple[str, ...]:
         keep = default in times and times[default][b] <= times[fastest][b] * (1 + CPU_GEMM_MARGIN)
         kinds.append(default if keep else fastest)
     return tuple(kinds)
+
 
 # %% ../../../nbs/30d_layer_utils.ipynb #698d0849
 def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
@@ -134,13 +181,14 @@ def runnable_times(times: dict[str, list[float]], weight: torch.Tensor) -> dict[
         out["F.linear"] = [float("inf")] * len(CPU_GEMM_BUCKET_ROWS)
     return out
 
+
 # %% ../../../nbs/30d_layer_utils.ipynb #4af4ec1b
 _CHOICES: dict[tuple, tuple[str, ...]] = {}
 
 
 def cpu_gemm_cache_path():
     """The JSON file of measured choices for this CPU model, the flags in view, the thread count, the torch
-    version, `MINIVLLM_CPU_ONEDNN_GEMM` and whether a C compiler is present:
+    version, `MINIVLLM_CPU_ONEDNN_GEMM`, whether a C compiler is present and the timing method (cold caches):
     `<kernel_cache_dir()>/../gemm/choices-<hash>.json` (`MINIVLLM_CACHE_DIR` moves it)."""
     key = "\0".join(
         [
@@ -150,6 +198,7 @@ def cpu_gemm_cache_path():
             torch.__version__,
             "onednn_gemm=" + os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1"),
             "cc=" + str(find_c_compiler() is not None),
+            "timing=cold",  # tables timed hot (before `evict_cpu_caches`) are not read
         ]
     )
     return (
@@ -183,6 +232,7 @@ def _valid_runs(entry) -> int | None:
     runs = entry.get("runs") if isinstance(entry, dict) else None
     return runs if type(runs) is int and runs >= 0 else None
 
+
 # %% ../../../nbs/30d_layer_utils.ipynb #172270d4
 def _write_choice(path, shape_key: str, entry: dict) -> None:
     table = _read_choices(path)  # again: another process may have added shapes meanwhile
@@ -199,6 +249,7 @@ def _write_choice(path, shape_key: str, entry: dict) -> None:
             tmp.unlink(missing_ok=True)  # os.replace failed: no half-written file left behind
         except OSError:
             pass
+
 
 # %% ../../../nbs/30d_layer_utils.ipynb #5833ae8b
 def _machine_was_quiet() -> bool:
