@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -344,6 +345,41 @@ def binding_log(text: str) -> list[str]:
     return [line.rstrip() for line in text.splitlines() if any(k in line for k in keys)]
 
 
+def memory_read_gbs(threads: int, mib: int = 512, rounds: int = 7) -> float:
+    """This machine's memory read bandwidth in GB/s: the best of `rounds` reductions (`amax`) over a float32
+    buffer of `mib` MiB (16x a 32 MiB last-level cache), on `threads` torch threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(mib * 2**20 // 4)
+        best = float("inf")
+        for _ in range(rounds):
+            t = time.perf_counter()
+            buf.amax()
+            best = min(best, time.perf_counter() - t)
+        return buf.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def weight_bytes_per_token(model: str, dtype: str) -> int:
+    """Bytes of weights one decode step of one sequence reads: every tensor of the checkpoint's safetensors
+    files once (a tied embedding is the LM head: read whole once), in `dtype`'s element size."""
+    import glob
+
+    from safetensors import safe_open
+
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    n = 0
+    for f in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                n += math.prod(st.get_slice(name).get_shape())
+    return n * size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -409,6 +445,8 @@ def main() -> None:
         f"(vLLM: {' '.join(f'{k}={v}' for k, v in vllm_bind_env(args).items())})\nmodel {args.model}; "
         f"{args.max_tokens} new tokens, greedy, EOS ignored, median of {args.repeat}"
     )
+    gbs = memory_read_gbs(args.threads)
+    print(f"memory read bandwidth: {gbs:.1f} GB/s on {args.threads} threads (amax over 512 MiB, best of 7)")
     for dtype in args.dtype:
         results = {label: launch(py, eng, args, dtype, work, extra) for label, eng, py, extra in engines}
         ref = results.get("minivllm")
@@ -456,6 +494,15 @@ def main() -> None:
                         f"{w}: {ref['workloads'][w]['tok_s'] / r['workloads'][w]['tok_s']:.2f}x" for w in work
                     )
                     print(f"minivllm / {name}: {ratios}")
+        one = next(iter(work))
+        limit = gbs * 1e9 / weight_bytes_per_token(args.model, dtype)
+        for name, r in done.items():
+            if name.startswith("minivllm"):
+                share = r["workloads"][one]["tok_s"] / limit
+                print(
+                    f"{name} {one}: {share:.0%} of the bandwidth limit {limit:.1f} tok/s "
+                    f"(read GB/s / {dtype} weight bytes per token)"
+                )
 
 
 if __name__ == "__main__":
