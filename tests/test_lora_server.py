@@ -1,8 +1,9 @@
 """LoRA through the OpenAI-compatible server and the official `openai` client (issue 32): `--lora-modules`
 adapters listed by /v1/models with the base model as parent, a request's `model` selecting the adapter
 (the same tokens as `LLM.generate` with that `LoRARequest`), runtime load / unload behind
-MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING, bad adapters as 400s naming the field, unknown ones as 404 on unload,
-and the server serving on after every refusal. The server runs in-process on 127.0.0.1."""
+MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING, bad adapters as 400s naming the field, unknown ones as 404 on unload
+and as a request's `model` (openai.NotFoundError, as vLLM), and the server serving on after every refusal.
+The server runs in-process on 127.0.0.1."""
 
 import json
 import urllib.error
@@ -115,12 +116,12 @@ def test_runtime_load_unload_and_refusals(server, setup):
     ):
         status, err = _post(url, "/v1/load_lora_adapter", payload)
         assert status == 400 and err["error"]["param"] == param, (payload, err)
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:  # never loaded: an unknown model, vLLM's 404
         _complete(client, "big")
-    assert e.value.body["param"] == "model"
+    assert e.value.body["param"] == "model" and e.value.body["message"] == "The model `big` does not exist."
     status, body = _post(url, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert status == 200, body
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         _complete(client, "chat")
     status, err = _post(url, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert status == 404 and err["error"]["type"] == "NotFoundError"

@@ -182,7 +182,6 @@ def test_logprobs(server):
 BAD = [  # (path, body or raw bytes, expected param, words the message must contain)
     ("/v1/completions", b"{this is not json", None, "JSON"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "lots"}, "max_tokens", "max_tokens"),
-    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, "model", "no-such-model"),
     ("/v1/completions", {"model": "tiny", "prompt": "hello " * 2000}, "prompt", "maximum context length"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100_000}, "max_tokens", "maximum context length"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature", "temperature"),
@@ -201,6 +200,19 @@ def test_bad_request_then_good_one(server, path, body, param, words):
     assert status == 400, err
     assert set(err) == {"error"} and err["error"]["code"] == 400 and err["error"]["param"] == param
     assert words in err["error"]["message"]
+    ok = server.client.completions.create(model="tiny", prompt="fine", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_unknown_model_is_404_not_found(server):
+    "vLLM v0.15 `_check_model`: an unknown model is a 404 NotFoundError naming `model`; the server keeps serving."
+    status, err = server.post("/v1/completions", {"model": "no-such-model", "prompt": "x"})
+    assert status == 404, err
+    assert err == {"error": {"message": "The model `no-such-model` does not exist.", "type": "NotFoundError",
+                             "param": "model", "code": 404}}
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.chat.completions.create(model="no-such-model", messages=CHAT, max_completion_tokens=2)
+    assert e.value.status_code == 404 and e.value.body["param"] == "model"
     ok = server.client.completions.create(model="tiny", prompt="fine", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
 

@@ -215,13 +215,16 @@ class OpenAIServing:
 # %% ../../../nbs/55_serving_engine.ipynb #82edc22e
 @patch
 async def _check_model(self: OpenAIServing, request: Any) -> ErrorResponse | None:
-    "None when `request.model` is unset, a served name or a served LoRA adapter; else a 400 naming `model`."
+    """None when `request.model` is unset, a served name or a served LoRA adapter; else a 404 NotFoundError
+    naming `model`, as vLLM answers (the openai client raises `openai.NotFoundError`). Source: vLLM v0.15
+    entrypoints/openai/serving_engine.py `_check_model`."""
     loras = getattr(self.models, "lora_requests", {})
     if request.model is None or self.models.is_base_model(request.model) or request.model in loras:
         return None
     return create_error_response(
-        f"The model `{request.model}` does not exist. Served models: "
-        f"{', '.join([*self.models.served_model_names, *loras])}.",
+        f"The model `{request.model}` does not exist.",
+        err_type="NotFoundError",
+        status_code=HTTPStatus.NOT_FOUND,
         param="model",
     )
 
