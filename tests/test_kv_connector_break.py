@@ -363,3 +363,134 @@ def test_ec_connector_fifo_is_encoded_not_a_hang(tmp_path_factory, tmp_path):
     finally:
         _unblock(stored)
         llm.llm_engine.shutdown()
+
+
+# ---- P2pZmqConnector consumer: what a peer may send (second pass) ----
+
+
+def _p2p_consumer(ckpt, transfer_timeout_s: float):
+    "A consumer LLM and its worker connector (this process's, built last)."
+    kvt = {
+        "kv_connector": "P2pZmqConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"transfer_timeout_s": transfer_timeout_s},
+    }
+    cons = _llm(ckpt, kvt)
+    return cons, get_kv_transfer_group_or_none().connector_worker
+
+
+def _pull_params(port: int, remote_request_id: str = "r") -> dict:
+    "kv_transfer_params pointing a consumer at `port` for PROMPT's three blocks."
+    return {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2, 3],
+        "remote_request_id": remote_request_id,
+        "remote_engine_id": "evil",
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+    }
+
+
+def _connector_stats(llm) -> dict:
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_connector_stats or {}
+
+
+def test_an_unreadable_answer_is_a_miss_at_once(ckpt):
+    """9. An answer whose header cannot be read (not JSON) names no pull, and was dropped: its pull waited for
+    transfer_timeout_s before it was recomputed (here an hour; before, `_run_until` gave up after 40 s). It
+    fails the peer's pulls at once, counted in p2p_bad_answers. Headers over 64 KiB (nested 100,000 deep,
+    padded) are refused before they are stored: the tiny model's frames are bounded at 64 KiB."""
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    cons, worker = _p2p_consumer(ckpt, transfer_timeout_s=3600)
+    port = get_open_port()
+    evil = _EvilPeer(port, [])
+    answers = [
+        [b"OK", b"not json"],  # an unreadable header: the peer's pulls fail
+        [b"OK", b"[" * 100_000],  # over 64 KiB: the frame bound drops the peer before it is stored
+        [b"OK", json.dumps({"tag": "x", "pad": "x" * 70_000}).encode()],  # likewise
+    ]
+    try:
+        finished = {}
+        for i, answer in enumerate(answers):
+            evil.reply = answer
+            cons.llm_engine.add_request(f"bad{i}", {"prompt_token_ids": PROMPT}, _sp(_pull_params(port)))
+            _run_until(cons, f"bad{i}", finished)
+            assert finished[f"bad{i}"].outputs[0].token_ids == want  # recomputed
+        assert evil.num_answered == len(answers)
+        assert worker._puller.is_alive()
+        stats = _connector_stats(cons)
+        assert stats.get("p2p_bad_answers") == 1 and stats.get("p2p_failed_transfers") == 3
+    finally:
+        evil.close()
+        cons.llm_engine.shutdown()
+
+
+class _ClaimingPeer:
+    """A bare TCP server that speaks just enough ZMTP 3.0 (NULL security, a ROUTER) to answer the first
+    READ with an "OK" frame and a frame whose length prefix claims `claim` bytes, then sends nothing more
+    and holds the connection (a real attacker would stream the bytes)."""
+
+    def __init__(self, port: int, claim: int):
+        import socket
+
+        self.srv = socket.create_server(("127.0.0.1", port))
+        self.claim = claim
+        self.answered = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        import struct
+
+        conn, _ = self.srv.accept()
+        with conn:
+            greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+            conn.sendall(greeting)
+            ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER"
+            conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
+            seen = b""
+            conn.settimeout(0.1)
+            while b"READ" not in seen.replace(b"READY", b"") and not self._stop.is_set():
+                try:
+                    seen += conn.recv(65536)
+                except TimeoutError:
+                    continue
+            # "OK" (more follows), then a long frame claiming `claim` bytes, and the first KiB of them
+            conn.sendall(b"\x01\x02OK" + b"\x02" + struct.pack(">Q", self.claim) + bytes(1024))
+            self.answered.set()
+            self._stop.wait()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.srv.close()
+
+
+def test_a_frame_claiming_a_gigabyte_is_refused_unstored(ckpt):
+    """10. A peer's frame is allocated at the size its length prefix claims and handed over only once it all
+    arrived: a frame claiming 1 GiB made the consumer reserve it and wait for the rest (until
+    transfer_timeout_s, an hour here; `_run_until` gave up after 40 s). The consumer's sockets accept frames
+    up to what a request's blocks hold (ZMQ_MAXMSGSIZE): a larger one drops the peer before it is stored,
+    and the request is recomputed at once."""
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    cons, worker = _p2p_consumer(ckpt, transfer_timeout_s=3600)
+    port = get_open_port()
+    peer = _ClaimingPeer(port, 1 << 30)
+    try:
+        finished = {}
+        cons.llm_engine.add_request("big", {"prompt_token_ids": PROMPT}, _sp(_pull_params(port)))
+        _run_until(cons, "big", finished)
+        assert peer.answered.is_set()  # the claim was really sent
+        assert finished["big"].outputs[0].token_ids == want  # recomputed
+        assert _connector_stats(cons).get("p2p_failed_transfers") == 1
+        # the tiny llama at max_model_len=128: 8 blocks of K and V (16 tokens x 2 heads x 16 dims x 4 bytes)
+        # are 32 KiB; a header's 64 KiB is the larger
+        assert worker.max_frame_bytes == 64 << 10
+    finally:
+        peer.close()
+        cons.llm_engine.shutdown()

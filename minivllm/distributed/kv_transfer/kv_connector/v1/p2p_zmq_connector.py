@@ -202,7 +202,10 @@ class P2pZmqConnectorWorker:
         self.tp_rank = get_tensor_model_parallel_rank()
         self.host, self.port = kvt.kv_ip, kvt.kv_port + self.tp_rank
         self.transfer_timeout_s = float(kvt.get_from_extra_config("transfer_timeout_s", 30.0))
+        self.max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+        self.max_frame_bytes = _MAX_HEADER_BYTES  # what a peer may send, set by register_kv_caches
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self._stats: dict[str, int] = {}  # failed pulls, refused answers, expired sends: since the last read
         self._lock = threading.Lock()
         self._to_send: dict[str, tuple[list[int], float]] = {}
         self._finished_sending: set[str] = set()
@@ -219,17 +222,6 @@ class P2pZmqConnectorWorker:
         self._peers: dict[str, _Peer] = {}  # the pull thread's own: no lock
         self._owner: dict[Any, _Peer] = {}  # a peer's DEALER and monitor sockets -> the peer
         self._poller = zmq.Poller()
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.kv_caches = dict(kv_caches)
-        if self.is_producer and self._server is None:
-            sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"tcp://{self.host}:{self.port}")  # fails loudly if the port is taken
-            self._server = threading.Thread(
-                target=self._serve, args=(sock,), name="p2p-zmq-server", daemon=True
-            )
-            self._server.start()
 
     def start_load_kv(self, meta: P2pZmqConnectorMetadata) -> None:
         with self._lock:
@@ -249,6 +241,40 @@ class P2pZmqConnectorWorker:
         except (BlockingIOError, OSError):  # a wake-up is already pending (or we are shutting down)
             pass
 
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #3215db02
+_MAX_HEADER_BYTES = 64 << 10  # a real header is ~100 bytes plus the layer names
+
+
+def _answer_frame_limit(kv_caches: dict[str, torch.Tensor], max_model_len: int | None) -> int:
+    """The largest frame, in bytes, a legitimate producer sends: one layer's K and V of the most blocks one
+    request pulls (`ceil(max_model_len / block_size)`, at most the cache's), at least `_MAX_HEADER_BYTES`."""
+    largest = _MAX_HEADER_BYTES
+    for cache in kv_caches.values():  # (2, num_blocks, block_size, num_kv_heads, head_size)
+        num_blocks, block_size = cache.shape[1], cache.shape[2]
+        blocks = num_blocks if max_model_len is None else min(num_blocks, -(-max_model_len // block_size))
+        largest = max(largest, math.prod(cache.shape) // num_blocks * cache.element_size() * blocks)
+    return largest
+
+
+def _request_limit(kv_caches: dict[str, torch.Tensor]) -> int:
+    "The largest message, in bytes, a legitimate consumer sends a producer: a READ of every block held."
+    num_blocks = max((cache.shape[1] for cache in kv_caches.values()), default=0)
+    return _MAX_HEADER_BYTES + 12 * num_blocks  # an id is at most 10 digits and ", "
+
+
+@patch
+def register_kv_caches(self: P2pZmqConnectorWorker, kv_caches: dict[str, torch.Tensor]) -> None:
+    "layer name -> (2, num_blocks, block_size, num_kv_heads, head_size); a producer starts its server."
+    self.kv_caches = dict(kv_caches)
+    self.max_frame_bytes = _answer_frame_limit(self.kv_caches, self.max_model_len)
+    if self.is_producer and self._server is None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _request_limit(self.kv_caches))  # larger: the sender is dropped
+        sock.bind(f"tcp://{self.host}:{self.port}")  # fails loudly if the port is taken
+        self._server = threading.Thread(target=self._serve, args=(sock,), name="p2p-zmq-server", daemon=True)
+        self._server.start()
+
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #36cb7031
 @patch
 def get_finished(self: P2pZmqConnectorWorker) -> tuple[set[str] | None, set[str] | None]:
@@ -259,6 +285,7 @@ def get_finished(self: P2pZmqConnectorWorker) -> tuple[set[str] | None, set[str]
             logger.warning("P2pZmqConnector: request %s was never pulled; freeing its blocks", rid)
             del self._to_send[rid]
             self._finished_sending.add(rid)
+            self._stats["p2p_expired_reqs"] = self._stats.get("p2p_expired_reqs", 0) + 1
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
         self._reported_invalid |= self._invalid
@@ -270,6 +297,21 @@ def get_finished(self: P2pZmqConnectorWorker) -> tuple[set[str] | None, set[str]
 def get_block_ids_with_load_errors(self: P2pZmqConnectorWorker) -> set[int]:
     out, self._reported_invalid = self._reported_invalid, set()
     return out
+
+
+@patch
+def get_kv_connector_stats(self: P2pZmqConnectorWorker) -> dict[str, int] | None:
+    """Counts since the last call: `p2p_failed_transfers` (pulls that lost blocks), `p2p_bad_answers`
+    (answers refused unread or by the layout checks), `p2p_expired_reqs` (sends never pulled); or None."""
+    with self._lock:
+        out, self._stats = self._stats, {}
+    return out or None
+
+
+@patch
+def _count(self: P2pZmqConnectorWorker, name: str) -> None:
+    with self._lock:
+        self._stats[name] = self._stats.get(name, 0) + 1
 
 
 @patch
@@ -293,6 +335,7 @@ def _serve(self: P2pZmqConnectorWorker, sock: Any) -> None:
             if not poller.poll(100):
                 continue
             frames = sock.recv_multipart()
+            msg = None
             try:
                 ident, kind, body = frames
                 msg = json.loads(body)
@@ -300,7 +343,8 @@ def _serve(self: P2pZmqConnectorWorker, sock: Any) -> None:
                     raise TypeError(f"a message is a JSON object, not {type(msg).__name__}")
                 reply = self._answer(kind, msg)
             except Exception as e:  # a malformed message gets an ERROR; the server keeps serving
-                reply = _reply(b"ERROR", None, error=f"malformed request: {type(e).__name__}: {e}")
+                tag = msg.get("tag") if isinstance(msg, dict) else None  # so its pull fails now, not later
+                reply = _reply(b"ERROR", tag, error=f"malformed request: {type(e).__name__}: {e}")
             sock.send_multipart([frames[0], *reply])
     except zmq.ZMQError as e:
         if not self._stop.is_set():
@@ -378,6 +422,7 @@ def _next_timer_ms(self: P2pZmqConnectorWorker) -> int:
 def _open_peer(self: P2pZmqConnectorWorker, addr: str) -> _Peer:
     sock = self._ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)  # a larger frame drops the peer, unstored
     events = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
     peer = _Peer(addr, sock, sock.get_monitor_socket(events))
     try:
@@ -449,6 +494,7 @@ def _report(self: P2pZmqConnectorWorker, pull: _Pull, written: int, why: str | N
     recv = pull.recv
     missing = recv.local_block_ids[written:]
     if missing and why is not None:
+        self._count("p2p_failed_transfers")
         logger.warning(
             "P2pZmqConnector: pulling %s from %s:%s failed (%d of %d blocks): %s",
             pull.req_id, recv.remote_host, recv.remote_port, len(missing), len(recv.local_block_ids), why,
@@ -500,8 +546,9 @@ def _on_monitor(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
             peer.connected = True
         elif event == zmq.EVENT_CONNECT_RETRIED and not peer.connected:
             self._fail_peer(peer, "connection refused")
-        elif event == zmq.EVENT_DISCONNECTED:
-            self._fail_peer(peer, "the producer closed the connection")
+        elif event == zmq.EVENT_DISCONNECTED:  # its end, or ours: a frame over max_frame_bytes
+            why = f"the producer closed the connection or sent a frame over {self.max_frame_bytes} bytes"
+            self._fail_peer(peer, why)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #6c5593bd
 @patch
@@ -511,14 +558,14 @@ def _on_reply(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
             frames = peer.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        kind = frames[0].bytes
-        try:
-            head = json.loads(frames[1].bytes) if len(frames) > 1 else None
-        except (ValueError, RecursionError):  # deeply nested JSON raises RecursionError, not ValueError
-            head = None
+        kind, head = frames[0].bytes, _read_head(frames)
         tag = head.get("tag") if isinstance(head, dict) else None
-        pull = peer.pulls.get(tag) if isinstance(tag, str) else None
-        if pull is None:
+        if not isinstance(tag, str):  # it names no pull: the peer broke the protocol, fail all its pulls now
+            self._count("p2p_bad_answers")
+            self._fail_peer(peer, f"an unreadable {kind[:16]!r} answer (no JSON header with a tag)")
+            return
+        pull = peer.pulls.get(tag)
+        if pull is None:  # late: that pull already ended
             continue
         if pull.phase == "done":
             if kind == b"ACK":
@@ -529,12 +576,23 @@ def _on_reply(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
             try:
                 self._write_blocks(head, frames[2:], pull)
             except Exception as e:  # a peer's answer is untrusted: a bad one is a failed pull
+                self._count("p2p_bad_answers")
                 self._finish(peer, pull, 0, f"bad answer: {type(e).__name__}: {e}")
             else:
                 short = "the producer holds fewer blocks than needed"
                 self._finish(peer, pull, pull.n, short if pull.n < len(pull.recv.local_block_ids) else None)
         else:
-            self._finish(peer, pull, 0, f"refused: {head.get('error') if isinstance(head, dict) else kind!r}")
+            self._finish(peer, pull, 0, f"refused: {head.get('error')}")
+
+
+def _read_head(frames: list) -> Any:
+    "An answer's JSON header (its second frame), or None: missing, over `_MAX_HEADER_BYTES`, or unreadable."
+    if len(frames) < 2 or len(frames[1]) > _MAX_HEADER_BYTES:
+        return None
+    try:
+        return json.loads(frames[1].bytes)
+    except (ValueError, RecursionError):  # deeply nested JSON raises RecursionError, not ValueError
+        return None
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #b30c6f80
 @patch
@@ -619,3 +677,9 @@ class P2pZmqConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #3c1cfd1b
+@patch
+def get_kv_connector_stats(self: P2pZmqConnector) -> dict[str, int] | None:
+    "The worker's counts since the last call (see `P2pZmqConnectorWorker.get_kv_connector_stats`)."
+    return self.connector_worker.get_kv_connector_stats() if self.connector_worker is not None else None
