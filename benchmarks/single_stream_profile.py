@@ -2,6 +2,7 @@
 forward's parts from timers around each layer, and the share of the memory-bandwidth limit reached.
 
     python benchmarks/single_stream_profile.py [--dtype float32] [--tokens 128] [--prompt-len 40]
+                                               [--prompts 1]
 
 Three runs of the embedded SmolLM2 (or --model), engine core in this process, one prompt, greedy, EOS ignored:
 
@@ -16,6 +17,7 @@ Three runs of the embedded SmolLM2 (or --model), engine core in this process, on
 3. the bandwidth limit: the machine's read bandwidth (`compare_engines.memory_read_gbs`) over the bytes of
    weights one step reads (`compare_engines.weight_bytes_per_token`), and the share run 1 reaches.
 
+`--prompts N` runs N distinct prompts at once instead (the same split for a batch of N sequences per step).
 Prints the CPU's model and flags and the 1-minute load average before and after.
 """
 
@@ -65,8 +67,8 @@ def run(llm, prompt, tokens):
 
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
     t = time.perf_counter()
-    llm.generate([prompt], sp, use_tqdm=False)
-    return tokens / (time.perf_counter() - t)
+    llm.generate(prompt, sp, use_tqdm=False)
+    return tokens * len(prompt) / (time.perf_counter() - t)
 
 
 def phases(args, prompt) -> None:
@@ -77,7 +79,8 @@ def phases(args, prompt) -> None:
     run(llm, prompt, 8)  # warm-up (graph capture of size 1, first-call costs)
     rates = [run(llm, prompt, args.tokens) for _ in range(3)]
     llm.llm_engine.engine_core.shutdown()
-    steps = [s for s in load_step_trace(trace) if s.num_decode_tokens == 1 and s.num_prefill_tokens == 0]
+    n = len(prompt)
+    steps = [s for s in load_step_trace(trace) if s.num_decode_tokens == n and s.num_prefill_tokens == 0]
     names = ["schedule_s", "execute_model_s", "sample_tokens_s", "update_s", "between_s"]
     med = {n: statistics.median(getattr(s, n) for s in steps) * 1e3 for n in names}
     total = sum(med.values())
@@ -124,7 +127,7 @@ def parts(args, prompt) -> None:
             best = (rate, dict(spent), dict(calls))
     llm.llm_engine.engine_core.shutdown()
     rate, spent_, calls_ = best
-    n = calls_["lm_head"]  # one per step (the prefill's included)
+    n = calls_["lm_head"]  # one per step (the prefills' included)
     step = (spent_["forward"] + spent_["lm_head"]) / n * 1e3
     print(f"\n2. graphs off, timed: {rate:.1f} tok/s (best of 3); forward + logits {step:.3f} ms per step")
     inside = 0.0
@@ -141,6 +144,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=1)
     args = ap.parse_args()
     os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.model is None:
@@ -150,15 +154,20 @@ def main() -> None:
     model_name, flags = cpu_info()
     threads = len(os.sched_getaffinity(0))
     print(f"CPU: {model_name}; flags: {flags}; {threads} threads; load {os.getloadavg()[0]:.2f}")
-    print(f"{args.model} {args.dtype}, a {args.prompt_len}-token prompt, {args.tokens} new tokens")
-    prompt = {"prompt_token_ids": list(range(1000, 1000 + args.prompt_len))}
+    print(
+        f"{args.model} {args.dtype}, {args.prompts} x {args.prompt_len}-token prompts, "
+        f"{args.tokens} new tokens each"
+    )
+    prompt = [
+        {"prompt_token_ids": list(range(1000 + i, 1000 + i + args.prompt_len))} for i in range(args.prompts)
+    ]
     rate = phases(args, prompt)
     parts(args, prompt)
     gbs = memory_read_gbs(threads)
     limit = gbs * 1e9 / weight_bytes_per_token(args.model, args.dtype)
     print(
         f"\n3. read bandwidth {gbs:.1f} GB/s: the bandwidth limit is {limit:.1f} tok/s; graphs on reached "
-        f"{rate / limit:.0%} of it (load {os.getloadavg()[0]:.2f})"
+        f"{rate / limit:.0%} of it (load {os.getloadavg()[0]:.2f}; meaningful for one prompt only)"
     )
 
 
