@@ -3,8 +3,9 @@
 
 An encoder-only producer (`ec_role` "ec_producer") and a consumer sharing a folder give the same greedy tokens
 as one plain instance; the consumer never runs the vision tower; the producer never runs the decoder and takes
-no KV block. A file that is missing, or damaged after the producer wrote it, is encoded on the consumer
-instead: same tokens, a warning, no hang.
+no KV block. A file that is missing, or damaged after the producer wrote it (garbage, one bit flipped: files
+carry a checksum), is encoded on the consumer instead: same tokens, a warning, no hang; a damaged file is
+deleted.
 """
 
 import logging
@@ -146,9 +147,12 @@ def test_damaged_files_are_encoded_on_the_consumer(plain, consumer, produced, fo
     garbage.write_bytes(b"\0" * 64)  # unreadable
     from safetensors.torch import save_file
 
-    # readable, the right 4 rows but the width of another checkpoint (a rebuilt model at the same path keeps
-    # its image hashes): a first version checked only the rows and the merge then killed the engine
-    save_file({"ec_cache": torch.zeros(4, 8)}, str(short))
+    from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import safetensors_digest
+
+    # readable and intact, the right 4 rows but the width of another checkpoint (a rebuilt model at the same
+    # path keeps its image hashes): a first version checked only the rows and the merge then killed the engine
+    other = {"ec_cache": torch.zeros(4, 8)}
+    save_file(other, str(short), metadata={"sha256": safetensors_digest(other)})
     expected = tokens(plain, [request(4, 5)])
     before = runner(consumer).num_encoder_runs
     with caplog.at_level(logging.WARNING):
@@ -156,6 +160,24 @@ def test_damaged_files_are_encoded_on_the_consumer(plain, consumer, produced, fo
     assert runner(consumer).num_encoder_runs == before + 1  # both images encoded, in one batch
     assert caplog.text.count("cannot load encoder output") == 2
     assert "did not come through the EC connector" in caplog.text
+    assert not garbage.exists() and short.exists()  # the damaged file deleted, the intact one kept
+
+
+def test_a_flipped_bit_is_encoded_and_deleted(plain, producer, consumer, folder):
+    """Issue 30: a stored output with one bit flipped (a valid safetensors file of the right shape) was loaded
+    as an embedding the encoder never produced. Files carry a sha256: this one is encoded and deleted."""
+    before = {p.name for p in folder.iterdir()}
+    producer.generate([request(8)], GREEDY, use_tqdm=False)
+    (name,) = {p.name for p in folder.iterdir()} - before
+    stored = folder / name / "encoder_cache.safetensors"
+    raw = bytearray(stored.read_bytes())
+    raw[-3] ^= 0x10  # one bit of the last embedding row
+    stored.write_bytes(bytes(raw))
+    expected = tokens(plain, [request(8)])
+    runs = runner(consumer).num_encoder_runs
+    assert tokens(consumer, [request(8)]) == expected
+    assert runner(consumer).num_encoder_runs == runs + 1  # before: 0 runs, the flipped output was used
+    assert not stored.exists()
 
 
 def test_missing_file_is_encoded_on_the_consumer(plain, consumer, produced, caplog):

@@ -213,6 +213,8 @@ def test_example_connector_broadcastable_file_is_not_served(ckpt, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
+    from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import safetensors_digest
+
     ref = _llm(ckpt)
     want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
     ref.llm_engine.shutdown()
@@ -221,8 +223,8 @@ def test_example_connector_broadcastable_file_is_not_served(ckpt, tmp_path):
     for poisoned in (False, True):
         if poisoned:
             for f in tmp_path.glob("*.safetensors"):
-                names = load_file(f)
-                save_file({name: torch.full((1, 1, 1, 1), 1e4) for name in names}, f)
+                broadcastable = {name: torch.full((1, 1, 1, 1), 1e4) for name in load_file(f)}
+                save_file(broadcastable, f, metadata={"sha256": safetensors_digest(broadcastable)})  # intact
         llm = _llm(ckpt, kvt)
         counts = _count_scheduled(llm)
         try:
@@ -232,6 +234,50 @@ def test_example_connector_broadcastable_file_is_not_served(ckpt, tmp_path):
         assert out.outputs[0].token_ids == want
         if poisoned:  # every stored block was refused and recomputed
             assert sum(counts) > len(PROMPT) - len(PROMPT) // 16 * 16 + MAX_TOKENS - 1
+
+
+def _flip_a_bit(f) -> None:
+    "Flip one bit near the end of file `f` (its last tensor's values): the file stays well-formed."
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0x10
+    f.write_bytes(bytes(raw))
+
+
+def test_example_connector_damaged_file_is_a_deleted_miss(ckpt, tmp_path):
+    """11. ExampleConnector kept no checksum: a file with one bit flipped on the disk (still a valid
+    safetensors file of the right shapes) was loaded as KV nobody computed, and a truncated one stayed to
+    fail every later request. Each file carries a sha256 of its tensors; a damaged or truncated file is a
+    miss (recomputed, the same tokens) and is deleted; the recomputation stores it again, and the next
+    engine loads it."""
+    from safetensors import safe_open
+
+    from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import safetensors_digest
+
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = _llm(ckpt, kvt)
+    llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)  # stores PROMPT's two full blocks
+    llm.llm_engine.shutdown()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == 2
+    _flip_a_bit(files[0])
+    files[1].write_bytes(files[1].read_bytes()[:-100])  # cut short
+    for damaged in (True, False):
+        llm = _llm(ckpt, kvt)
+        counts = _count_scheduled(llm)
+        try:
+            out = llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0]
+        finally:
+            llm.llm_engine.shutdown()
+        assert out.outputs[0].token_ids == want
+        loaded = sum(counts) == len(PROMPT) - 32 + MAX_TOKENS - 1  # only the tail and the decode computed
+        assert loaded != damaged  # before: the flipped file was loaded
+    for f in files:  # each was deleted and stored again: intact now
+        with safe_open(f, "pt") as st:
+            assert st.metadata()["sha256"] == safetensors_digest({k: st.get_tensor(k) for k in st.keys()})
 
 
 # ---- ECExampleConnector (images): a full disk ----

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from fastcore.basics import patch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from minivllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -25,6 +25,7 @@ from minivllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 from ...kv_transfer.kv_connector.v1.base import update_connector_abstractmethods
+from ...kv_transfer.kv_connector.v1.example_connector import safetensors_digest
 
 logger = logging.getLogger(__name__)
 
@@ -120,16 +121,16 @@ def build_connector_meta(self: ECExampleConnector, scheduler_output: Any) -> ECE
 def save_caches(
     self: ECExampleConnector, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
 ) -> None:
-    "Write `encoder_cache[mm_hash]` (a producer only; a consumer-only instance saves nothing)."
+    "Write `encoder_cache[mm_hash]` with its checksum (a producer only; a consumer-only one saves nothing)."
     if not self.is_producer:
         return
-    tensor = encoder_cache[mm_hash].detach().to("cpu").contiguous()
+    tensors = {"ec_cache": encoder_cache[mm_hash].detach().to("cpu").contiguous()}
     tmp = None
     try:
         folder = self._generate_foldername_debug(mm_hash, create_folder=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         os.close(fd)
-        save_file({"ec_cache": tensor}, tmp)
+        save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors)})
         os.replace(tmp, self._generate_filename_debug(mm_hash))
     except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
         logger.warning("EC connector: cannot save encoder output %s (%s); it is not stored", mm_hash, e)
@@ -138,26 +139,44 @@ def save_caches(
             os.remove(tmp)
 
 
+class _DamagedFile(ValueError):
+    "A stored file no writer of this connector produced as it is (not a regular file, a bad checksum)."
+
+
+@patch
+def _read_checked(self: ECExampleConnector, path: Path) -> torch.Tensor:
+    """`path`'s `ec_cache` tensor. `FileNotFoundError` if it is gone; `_DamagedFile` or `SafetensorError` (a
+    header cut short or forged, no `ec_cache`) unless it is a regular file whose checksum matches."""
+    if path.exists() and not path.is_file():  # a FIFO would block the read until someone writes to it
+        raise _DamagedFile("not a regular file")
+    with safe_open(str(path), "pt") as f:
+        digest = (f.metadata() or {}).get("sha256")
+        tensor = f.get_tensor("ec_cache")
+    if digest != safetensors_digest({"ec_cache": tensor}):
+        raise _DamagedFile("checksum mismatch: a damaged, truncated or foreign file")
+    return tensor
+
+# %% ../../../../nbs/47i_ec_example_connector.ipynb #6ecd155f
 @patch
 def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
-    "The tensor of `mm`, or None (with a warning) when its file is missing, unreadable or of the wrong shape."
+    """The tensor of `mm`, or None (with a warning) when its file is missing, damaged (then it is deleted) or
+    of the wrong shape for this model (left for the model it fits)."""
     path = self._generate_filename_debug(mm.mm_hash)
     try:
-        if path.exists() and not path.is_file():  # a FIFO would block load_file until someone writes to it
-            raise ValueError("not a regular file")
-        tensor = load_file(str(path))["ec_cache"]
+        tensor = self._read_checked(path)
         width_ok = self._hidden_size is None or (tensor.dim() == 2 and tensor.shape[1] == self._hidden_size)
         if tensor.dim() != 2 or tensor.shape[0] != mm.num_token or not width_ok:
             raise ValueError(
                 f"shape {tuple(tensor.shape)}, expected ({mm.num_token}, {self._hidden_size or 'hidden'})"
             )
     except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as e:
+        damaged = isinstance(e, (_DamagedFile, SafetensorError))
         logger.warning(
-            "EC connector: cannot load encoder output %s from %s (%s); it will be encoded",
-            mm.mm_hash,
-            path,
-            e,
-        )
+            "EC connector: cannot load encoder output %s from %s (%s)%s; it will be encoded",
+            mm.mm_hash, path, e, ", deleted" if damaged else "",
+        )  # fmt: skip
+        if damaged:  # it would be found, and fail, for every later request: remove it
+            path.unlink(missing_ok=True)
         return None
     return tensor.to(self._device, dtype=self._dtype or tensor.dtype)
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 from fastcore.basics import patch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from minivllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,7 +31,7 @@ from ....parallel_state import get_tensor_model_parallel_rank
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'example_connector_block_keys', 'ExampleConnectorMetadata', 'ExampleConnector']
+__all__ = ['logger', 'example_connector_block_keys', 'safetensors_digest', 'ExampleConnectorMetadata', 'ExampleConnector']
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #1acc6013
 def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: int) -> list[str]:
@@ -44,6 +44,17 @@ def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: 
         prev = hashlib.sha256(prev + block).digest()
         keys.append(prev.hex())
     return keys
+
+
+def safetensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over `tensors` (CPU) in name order: each name, dtype, shape and bytes. A file stores it in its
+    safetensors metadata as "sha256"; a reader recomputes it (a damaged or foreign file mismatches)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
 @dataclass
@@ -147,6 +158,8 @@ def build_connector_meta(self: ExampleConnector, scheduler_output: Any) -> Examp
         if st is None:
             continue
         done = min(computed[req_id] + n, st.num_prompt_tokens) // self._block_size
+        # a failed load rewinds the request: its recomputed blocks are saved again (a bad file was deleted)
+        st.num_saved_blocks = min(st.num_saved_blocks, computed[req_id] // self._block_size)
         new = [(st.keys[b], st.block_ids[b]) for b in range(st.num_saved_blocks, min(done, len(st.keys)))]
         meta.saves.extend((k, b) for k, b in new if not self._stored(k))
         st.num_saved_blocks = max(st.num_saved_blocks, done)
@@ -176,22 +189,48 @@ def register_kv_caches(self: ExampleConnector, kv_caches: dict[str, torch.Tensor
 
 @patch
 def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -> None:
+    "Fill this step's blocks from their files; a block whose file is missing or bad is invalid (recomputed)."
     for key, block_id in self._get_connector_metadata().loads:
         try:
-            if not self._path(key).is_file():  # a FIFO would block load_file until someone writes to it
-                raise ValueError("not a regular file")
-            tensors = load_file(self._path(key))
-            for name, cache in self._kv_caches.items():
-                block = cache[:, block_id]
-                if tensors[name].shape != block.shape or tensors[name].dtype != block.dtype:
-                    # copy_ would broadcast a (1, 1, 1, 1) tensor into the block: refuse, never serve it
-                    raise ValueError(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}")
-                block.copy_(tensors[name])
+            self._load_block(key, block_id)
         except (OSError, SafetensorError, KeyError, RuntimeError, ValueError) as e:
-            logger.warning("ExampleConnector: cannot load block %d from %s: %s", block_id, self._path(key), e)
+            damaged = isinstance(e, (_DamagedFile, SafetensorError))
+            logger.warning(
+                "ExampleConnector: cannot load block %d from %s (%s)%s; recomputing it",
+                block_id, self._path(key), e, ", deleted" if damaged else "",
+            )  # fmt: skip
             self._invalid_block_ids.add(block_id)
+            if damaged:  # it would be matched, and fail, for every later request: remove it
+                self._path(key).unlink(missing_ok=True)
 
 
+class _DamagedFile(ValueError):
+    "A stored file that no writer of this connector produced as it is (not a regular file, a bad checksum)."
+
+
+@patch
+def _load_block(self: ExampleConnector, key: str, block_id: int) -> None:
+    """Copy `key`'s file into block `block_id` of every layer. `FileNotFoundError` if it is gone;
+    `_DamagedFile` (or `SafetensorError`, a header cut short or forged) unless it is a regular file whose
+    checksum matches; `ValueError` / `KeyError` if its layers, shapes or dtype are not this cache's."""
+    path = self._path(key)
+    if not path.exists():
+        raise FileNotFoundError(f"no file {path.name}")
+    if not path.is_file():  # a FIFO would block the read until someone writes to it
+        raise _DamagedFile("not a regular file")
+    with safe_open(path, "pt") as f:
+        digest = (f.metadata() or {}).get("sha256")
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if digest != safetensors_digest(tensors):
+        raise _DamagedFile("checksum mismatch: a damaged, truncated or foreign file")
+    for name, cache in self._kv_caches.items():
+        block = cache[:, block_id]
+        if tensors[name].shape != block.shape or tensors[name].dtype != block.dtype:
+            # copy_ would broadcast a (1, 1, 1, 1) tensor into the block: refuse, never serve it
+            raise ValueError(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}")
+        block.copy_(tensors[name])
+
+# %% ../../../../../nbs/47c_example_connector.ipynb #0639acef
 @patch
 def wait_for_layer_load(self: ExampleConnector, layer_name: str) -> None:
     "Nothing to wait for: start_load_kv loads synchronously."
@@ -211,10 +250,11 @@ def wait_for_save(self: ExampleConnector) -> None:
         if set(tensors) != set(self._kv_caches):
             continue  # a partial forward (some layers did not run): nothing trustworthy to write
         tmp = None
+        tensors = {name: t.to("cpu") for name, t in tensors.items()}  # one device-to-host copy
         try:
             fd, tmp = tempfile.mkstemp(dir=self._storage, suffix=".tmp")
             os.close(fd)
-            save_file(tensors, tmp)
+            save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors)})
             os.replace(tmp, self._path(key))
         except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
             logger.warning(
