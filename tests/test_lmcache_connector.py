@@ -15,8 +15,10 @@ Redis tests start a private `redis-server` on a free port.
 
 import errno
 import json
+import logging
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -65,7 +67,7 @@ def _free_port() -> int:
 class RedisServer:
     "A private redis-server on 127.0.0.1 (no persistence); `stop()` kills it."
 
-    def __init__(self):
+    def __init__(self, *extra: str):
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         args = [
@@ -78,6 +80,7 @@ class RedisServer:
             "",
             "--appendonly",
             "no",
+            *extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -92,14 +95,19 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a SIGSTOPped server handles SIGTERM only once thawed
             self.proc.terminate()
             self.proc.wait(timeout=10)
 
 
-@pytest.fixture
-def redis_server():
+def _need_redis() -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; CI installs it)")
+
+
+@pytest.fixture
+def redis_server():
+    _need_redis()
     server = RedisServer()
     try:
         yield server
@@ -253,6 +261,81 @@ def test_redis_stopped_mid_run_recomputes(ckpt, reference, redis_server):
     assert stats["errors"] >= 1 and stats["hits"]["RemoteBackend"] == 0
     assert scheduled >= sum(map(len, PROMPTS)) + DECODE - 64  # nothing was loaded (a failed load is redone)
     assert time.monotonic() - t0 < 60  # generous: it must not hang on timeouts
+
+
+def _remote_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "RemoteBackend" in r.getMessage()
+    ]
+
+
+def _wait_up(remote, timeout_s: float = 10.0) -> bool:
+    "Whether the remote tier's probe saw the server answer within `timeout_s` (a hang guard)."
+    deadline = time.monotonic() + timeout_s
+    while not remote.is_up and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return remote.is_up
+
+
+def test_stalled_redis_is_one_outage_and_the_engine_keeps_serving(ckpt, reference, redis_server, caplog):
+    """Issue 30 (second pass): a stalled Redis (SIGSTOP: it accepts connections and never answers) made every
+    lookup wait out the socket timeout once per second of back-off, with a warning each time, on the
+    scheduler's path. Now the first timeout marks the tier down (one warning) and every later call is a
+    miss at once until the background probe sees the server again; the engine serves every request meanwhile
+    (the no-connector tokens), and loads from Redis again once it is thawed."""
+    _run(ckpt, _kvt(remote_url=redis_server.url))  # stores the chunks in Redis
+    engine = Engine(ckpt, _kvt(remote_url=redis_server.url))
+    remote = engine.store.tiers[0]
+    hits = sum(_stored_hit(len(p)) for p in PROMPTS)
+    try:
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(2):
+                tokens, scheduled = engine.generate()
+                assert tokens == reference and scheduled == sum(map(len, PROMPTS)) + DECODE  # all computed
+                time.sleep(1.5)  # past the old back-off of 1 s: it paid the timeout again after it
+        assert len(_remote_warnings(caplog)) == 1, _remote_warnings(caplog)  # before: one per back-off
+        assert remote.num_outages == 1 and not remote.is_up
+        redis_server.proc.send_signal(signal.SIGCONT)
+        assert _wait_up(remote), "the probe never saw the server again"
+        tokens, scheduled = engine.generate()
+        assert tokens == reference and scheduled == sum(map(len, PROMPTS)) - hits + DECODE  # loaded again
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+        engine.shutdown()
+
+
+def test_redis_password_in_the_url(ckpt, reference, caplog):
+    """Issue 30 item 5: a Redis with `requirepass`. The URL's password reaches the server (a fresh engine
+    loads what another stored); without it every call is a miss (one outage) and the tokens are the same;
+    no log line shows the password."""
+    _need_redis()
+    server = RedisServer("--requirepass", "s3cret")
+    hits = sum(_stored_hit(len(p)) for p in PROMPTS)
+    with_password = server.url.replace("redis://", "redis://:s3cret@")
+    try:
+        with caplog.at_level(logging.INFO):
+            _run(ckpt, _kvt(remote_url=with_password))
+            tokens, scheduled, stats = _run(ckpt, _kvt(remote_url=with_password))
+            assert (
+                tokens == reference
+                and stats["hits"]["RemoteBackend"] == hits // CHUNK
+                and stats["errors"] == 0
+            )
+            engine = Engine(ckpt, _kvt(remote_url=server.url))
+            try:
+                tokens, scheduled = engine.generate()
+                remote = engine.store.tiers[0]
+                assert tokens == reference and scheduled == sum(map(len, PROMPTS)) + DECODE
+                assert remote.num_outages == 1 and not remote.is_up  # NOAUTH: down, and probed
+            finally:
+                engine.shutdown()
+        assert "s3cret" not in caplog.text
+        assert any("authenticat" in w.lower() for w in _remote_warnings(caplog))
+    finally:
+        server.stop()
 
 
 def test_corrupted_disk_file_is_a_miss(ckpt, reference, tmp_path):

@@ -27,6 +27,7 @@ from fastcore.basics import patch
 from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import (
     CacheEngineKey,
     LMCacheEngineConfig,
+    redact_url,
 )
 
 logger = logging.getLogger(__name__)
@@ -275,10 +276,12 @@ def _sweep_stale_tmp(self: LocalDiskBackend) -> int:
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b1145b44
 class RemoteBackend:
-    """Chunks in Redis at `url` (redis://host:port) under "lmcache:<key>". Connection errors and timeouts
-    (`timeout_s` per socket operation, no retries) are misses counted in `num_errors`; after one the tier is
-    skipped for `backoff_s` seconds. An invalid value (see `deserialize_kv`) or a key of another Redis type is
-    a counted miss and is deleted. `put` raises nothing (returns False on failure).
+    """Chunks in Redis at `url` (redis://[[user]:password@]host:port) under "lmcache:<key>". A connection
+    error or timeout (`timeout_s` to connect and per command, no retries) marks the server down: counted in
+    `num_errors` and `num_outages`, logged once, and every call is a miss without touching the network until
+    a background probe (a PING every `backoff_s`) is answered, which is logged once more. An invalid value
+    (see `deserialize_kv`) or a key of another Redis type is a counted miss and is deleted. Nothing raises
+    (`put` returns False on failure). Logs show the URL without its password.
     Source: LMCache lmcache/v1/storage_backend/remote_backend.py `RemoteBackend` (Redis connector)."""
 
     name = "RemoteBackend"
@@ -288,12 +291,16 @@ class RemoteBackend:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        self.url = url
+        self.url = redact_url(url)
         self.backoff_s = backoff_s
         self.num_errors = 0
-        self._down_until = 0.0
+        self.num_outages = 0
+        self._down = threading.Event()  # set from the first failure until the probe is answered
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._probe: threading.Thread | None = None
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        # the server answered, with an error (WRONGTYPE, ...): no back-off
+        # the server answered, with an error (WRONGTYPE, ...): it is up
         self._server_errors = redis.exceptions.RedisError
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
@@ -303,48 +310,99 @@ class RemoteBackend:
     def _name(key: CacheEngineKey) -> str:
         return "lmcache:" + key.to_string()
 
-    def _call(self, fn: Any, *args: Any, invalid: str | None = None) -> Any:
-        """fn(*args), or None when the server is down (counted, then skipped for backoff_s) or answers with an
-        error (counted; the key `invalid`, if given, is deleted)."""
-        if time.monotonic() < self._down_until:
-            return None
+    @property
+    def is_up(self) -> bool:
+        return not self._down.is_set()
+
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #acae4f83
+@patch
+def _call(self: RemoteBackend, fn: Any, *args: Any, invalid: str | None = None) -> Any:
+    """fn(*args), or None: at once while the server is down, after a failure that marks it down, or when it
+    answers with an error (counted; the key `invalid`, if given, is deleted)."""
+    if self._down.is_set():
+        return None
+    try:
+        return fn(*args)
+    except self._errors as e:
+        self.num_errors += 1
+        self._mark_down(e)
+        return None
+    except self._server_errors as e:
+        self.num_errors += 1
+        logger.warning("RemoteBackend %s: %s; treating it as a miss", self.url, e)
+        if invalid is not None:
+            self._call(self._client.delete, invalid)
+        return None
+
+
+@patch
+def _mark_down(self: RemoteBackend, error: Exception) -> None:
+    "An outage's first failure: log it and start the probe (later ones, and those in flight, do nothing)."
+    with self._lock:
+        if self._down.is_set() or self._closed.is_set():
+            return
+        self._down.set()
+        self.num_outages += 1
+        logger.warning(
+            "RemoteBackend %s: %s; every lookup is a miss until it answers again (probed every %.1fs)",
+            self.url, error, self.backoff_s,
+        )  # fmt: skip
+        self._probe = threading.Thread(target=self._probe_until_up, name="lmcache-redis-probe", daemon=True)
+        self._probe.start()
+
+
+@patch
+def _probe_until_up(self: RemoteBackend) -> None:
+    while not self._closed.wait(self.backoff_s):
         try:
-            return fn(*args)
-        except self._errors as e:
-            self.num_errors += 1
-            self._down_until = time.monotonic() + self.backoff_s
-            logger.warning(
-                "RemoteBackend %s: %s; treating it as a miss for %.1fs", self.url, e, self.backoff_s
-            )
-            return None
-        except self._server_errors as e:
-            self.num_errors += 1
-            logger.warning("RemoteBackend %s: %s; treating it as a miss", self.url, e)
-            if invalid is not None:
-                self._call(self._client.delete, invalid)
-            return None
+            self._client.ping()
+        except (self._server_errors, OSError):  # still down (refused, stalled, or refusing our password)
+            continue
+        logger.warning("RemoteBackend %s answers again; the remote tier is back", self.url)
+        self._down.clear()
+        return
 
-    def contains(self, key: CacheEngineKey) -> bool:
-        return bool(self._call(self._client.exists, self._name(key)))
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #beb4add1
+@patch
+def contains(self: RemoteBackend, key: CacheEngineKey) -> bool:
+    return bool(self._call(self._client.exists, self._name(key)))
 
-    def get(self, key: CacheEngineKey) -> torch.Tensor | None:
-        name = self._name(key)
-        blob = self._call(self._client.get, name, invalid=name)
-        if blob is None:
-            return None
-        try:
-            return deserialize_kv(blob)
-        except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
-            logger.warning(
-                "RemoteBackend: %s is invalid (%s); deleted, treating it as a miss", key.chunk_hash[:12], e
-            )
-            self.num_errors += 1
-            self._call(self._client.delete, name)
-            return None
 
-    def remove(self, key: CacheEngineKey) -> bool:
-        "Delete `key` from the server; True if it was there."
-        return bool(self._call(self._client.delete, self._name(key)))
+@patch
+def contains_many(self: RemoteBackend, keys: list[CacheEngineKey]) -> list[bool]:
+    "Which of `keys` the server holds, in one round trip (a pipeline of EXISTS); all False while it is down."
+
+    def ask() -> list:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._name(key))
+        return pipe.execute()
+
+    found = self._call(ask) if keys else []
+    return [bool(x) for x in found] if found is not None else [False] * len(keys)
+
+
+@patch
+def get(self: RemoteBackend, key: CacheEngineKey) -> torch.Tensor | None:
+    name = self._name(key)
+    blob = self._call(self._client.get, name, invalid=name)
+    if blob is None:
+        return None
+    try:
+        return deserialize_kv(blob)
+    except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
+        logger.warning(
+            "RemoteBackend: %s is invalid (%s); deleted, treating it as a miss", key.chunk_hash[:12], e
+        )
+        self.num_errors += 1
+        self._call(self._client.delete, name)
+        return None
+
+
+@patch
+def remove(self: RemoteBackend, key: CacheEngineKey) -> bool:
+    "Delete `key` from the server; True if it was there."
+    return bool(self._call(self._client.delete, self._name(key)))
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #ced8166c
 @patch
@@ -354,6 +412,10 @@ def put(self: RemoteBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
 
 @patch
 def close(self: RemoteBackend) -> None:
+    "Stop the probe, if one runs, and close the client."
+    self._closed.set()
+    if self._probe is not None:
+        self._probe.join(timeout=5)
     self._client.close()
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #7bea6e73
@@ -478,11 +540,26 @@ def discard(self: StorageManager, key: CacheEngineKey, reason: str) -> None:
 
 @patch
 def prefix_lookup(self: StorageManager, keys: list[CacheEngineKey]) -> int:
-    "How many of `keys`, from the first, are stored somewhere (stops at the first absent one)."
+    """How many of `keys`, from the first, are stored somewhere (stops at the first absent one). The remote
+    tier is asked once, for every key past the local prefix (one round trip, bounded by its timeout)."""
     n = 0
-    while n < len(keys) and self.contains(keys[n]) is not None:
+    while n < len(keys) and self._contains_locally(keys[n]):
+        n += 1
+    remote = [t for t in self.tiers if isinstance(t, RemoteBackend)]
+    if n == len(keys) or not remote:
+        return n
+    for key, there in zip(keys[n:], remote[0].contains_many(keys[n:])):
+        if not (there or self._contains_locally(key)):
+            break
         n += 1
     return n
+
+
+@patch
+def _contains_locally(self: StorageManager, key: CacheEngineKey) -> bool:
+    "Whether `key` is queued or in a tier of this machine (CPU, disk)."
+    local = (t for t in self.tiers if not isinstance(t, RemoteBackend))
+    return key in self._pending or any(t.contains(key) for t in local)
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #0f3829a5
 @patch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import urllib.parse
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 # %% auto #0
-__all__ = ['LMCACHE_NONE_HASH', 'LMCacheEngineConfig', 'lmcache_config_from_file', 'lmcache_config_from_env',
+__all__ = ['LMCACHE_NONE_HASH', 'LMCacheEngineConfig', 'redact_url', 'lmcache_config_from_file', 'lmcache_config_from_env',
            'lmcache_get_config', 'LMCacheEngineMetadata', 'CacheEngineKey', 'ChunkedTokenDatabase']
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #935b954a
@@ -25,7 +26,8 @@ class LMCacheEngineConfig:
     block size); `local_cpu` / `max_local_cpu_size` (GB): the in-memory tier; `local_disk` (path or
     file:// URL, None = off) / `max_local_disk_size` (GB); `remote_url` (redis://host:port, None = off);
     `save_unfull_chunk`: also store the prompt's last, shorter chunk (cut to whole blocks);
-    `remote_timeout_s`: socket timeout of the remote client; `use_layerwise`: load and save layer by layer on
+    `remote_timeout_s`: socket timeout of the remote client (connect and each command; a stalled server is a
+    miss after it); `use_layerwise`: load and save layer by layer on
     background threads (overlapping the forward) instead of all at once before / after it (default False, as
     in LMCache: on a quiet CPU the synchronous mode measured faster, chapter 48c); `blocking_timeout_secs`:
     the longest a forward waits for one layer's load or the step end for its saves before they fail (misses).
@@ -69,8 +71,17 @@ class LMCacheEngineConfig:
                 f"blocking_timeout_secs must be in (0, 3600] seconds; got {self.blocking_timeout_secs}"
             )
         if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"remote_url must be redis://host:port; got {self.remote_url!r}")
+            raise ValueError(f"remote_url must be redis://host:port; got {redact_url(self.remote_url)!r}")
         return self
+
+# %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #6cdad4e8
+def redact_url(url: str) -> str:
+    "`url` with its password, if any (`redis://user:PASSWORD@host:port`), replaced by `***`, for logs."
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #7614102d
 _TRUE = ("1", "true", "yes", "on")
