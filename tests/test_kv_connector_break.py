@@ -251,8 +251,6 @@ def test_example_connector_damaged_file_is_a_deleted_miss(ckpt, tmp_path):
     engine loads it."""
     from safetensors import safe_open
 
-    from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import safetensors_digest
-
     ref = _llm(ckpt)
     want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
     ref.llm_engine.shutdown()
@@ -275,6 +273,8 @@ def test_example_connector_damaged_file_is_a_deleted_miss(ckpt, tmp_path):
         assert out.outputs[0].token_ids == want
         loaded = sum(counts) == len(PROMPT) - 32 + MAX_TOKENS - 1  # only the tail and the decode computed
         assert loaded != damaged  # before: the flipped file was loaded
+    from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import safetensors_digest
+
     for f in files:  # each was deleted and stored again: intact now
         with safe_open(f, "pt") as st:
             assert st.metadata()["sha256"] == safetensors_digest({k: st.get_tensor(k) for k in st.keys()})
