@@ -540,3 +540,103 @@ def test_a_frame_claiming_a_gigabyte_is_refused_unstored(ckpt):
     finally:
         peer.close()
         cons.llm_engine.shutdown()
+
+
+# ---- third pass: a directory where a stored file should be ----
+
+
+def _plant_directory(path) -> None:
+    "Replace the file at `path` by a non-empty directory (anyone who can write the storage folder can)."
+    path.unlink()
+    path.mkdir()
+    (path / "x").write_text("x")
+
+
+def test_example_connector_directory_is_a_miss_not_a_crash(ckpt, tmp_path):
+    """13. ExampleConnector: a directory in place of a stored block's file counted as stored; the load failed
+    and deleting it (`unlink`) raised `IsADirectoryError` out of `start_load_kv`: the engine died. Only a
+    regular file counts as stored, and removing an entry never raises: the blocks are recomputed."""
+    ref = _llm(ckpt)
+    want = ref.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    ref.llm_engine.shutdown()
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = _llm(ckpt, kvt)
+    llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    stored = sorted(tmp_path.glob("*.safetensors"))
+    assert len(stored) == 2
+    for f in stored:
+        _plant_directory(f)
+    llm = _llm(ckpt, kvt)
+    try:
+        counts = _count_scheduled(llm)
+        out = llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want
+        assert sum(counts) == len(PROMPT) + MAX_TOKENS - 1  # a miss: computed once, no failed load
+        out = llm.generate([{"prompt_token_ids": PROMPT}], _sp(), use_tqdm=False)[0]  # it still serves
+        assert out.outputs[0].token_ids == want
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_ec_connector_directory_is_encoded_not_a_crash(tmp_path_factory, tmp_path):
+    """14. ECExampleConnector: a directory in place of an encoder output's file was found, failed to load,
+    and `unlink` raised `IsADirectoryError` out of `start_load_caches`: the engine died. Only a regular file
+    is an item; the image is encoded instead (the plain tokens)."""
+    import numpy as np
+    from PIL import Image
+
+    g3 = make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+    img = Image.fromarray(np.random.default_rng(5).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    req = {"prompt": "<bos>Look at <start_of_image> and say", "multi_modal_data": {"image": [img]}}
+    ect = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+           "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
+    llm = LLM(g3, dtype="float32", block_size=4, ec_transfer_config=ect)
+    want = llm.generate([req], _sp(), use_tqdm=False)[0].outputs[0].token_ids
+    llm.llm_engine.shutdown()
+    (stored,) = tmp_path.rglob("encoder_cache.safetensors")
+    _plant_directory(stored)
+    llm = LLM(g3, dtype="float32", block_size=4, ec_transfer_config=ect)
+    try:
+        assert (
+            llm.llm_engine.engine_core.engine_core.scheduler.ec_connector.has_cache_item(stored.parent.name)
+            is False
+        )
+        for _ in range(2):
+            assert llm.generate([req], _sp(), use_tqdm=False)[0].outputs[0].token_ids == want
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_lmcache_disk_directory_is_a_miss_not_a_hit(tmp_path):
+    """15. LMCache's disk tier: a directory in place of a chunk file counted as stored (`contains`), so every
+    request with that prefix was granted the chunk, failed to load it and recomputed; `get` raised
+    `IsADirectoryError` (deleting it) instead of returning a miss. Only a regular file is a chunk."""
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
+        LocalDiskBackend,
+    )
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import CacheEngineKey
+
+    disk = LocalDiskBackend(tmp_path, 1 << 20)
+    key = CacheEngineKey("m", 1, 0, "abc", "float32")
+    disk._file(key).mkdir()
+    (disk._file(key) / "x").write_text("x")
+    assert disk.contains(key) is False
+    assert disk.get(key) is None and disk.num_errors == 1
+    assert disk.remove(key) is False
+
+
+def test_lmcache_disk_dangling_link_does_not_stop_start_up(tmp_path):
+    """16. LMCache's disk tier rebuilt its index with `p.stat()` on every `*.kvchunk`: one dangling symbolic
+    link (or a file removed meanwhile) raised `FileNotFoundError` from the constructor, so no engine on that
+    folder could start, again after every restart. Entries that are not regular files are skipped."""
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
+        LocalDiskBackend,
+    )
+
+    (tmp_path / ("a" * 64 + ".kvchunk")).symlink_to(tmp_path / "gone")
+    (tmp_path / ("b" * 64 + ".kvchunk")).symlink_to("/dev/zero")
+    (tmp_path / ("c" * 64 + ".kvchunk")).mkdir()
+    disk = LocalDiskBackend(tmp_path, 1 << 20)
+    assert disk.used_bytes == 0 and len(disk._index) == 0

@@ -92,8 +92,8 @@ class ECExampleConnector(ECConnectorBase):
 # %% ../../../../nbs/47i_ec_example_connector.ipynb #caf1c290
 @patch
 def has_cache_item(self: ECExampleConnector, identifier: str) -> bool:
-    "Whether the file exists; a consumer-only instance warns (once per item) when it does not."
-    if os.path.exists(self._generate_filename_debug(identifier)):
+    "Whether the file is a regular file (a directory planted there is not); a consumer-only one warns if not."
+    if os.path.isfile(self._generate_filename_debug(identifier)):
         return True
     if self.is_consumer and not self.is_producer and identifier not in self._warned_missing:
         self._warned_missing.add(identifier)
@@ -176,9 +176,17 @@ def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
             mm.mm_hash, path, e, ", deleted" if damaged else "",
         )  # fmt: skip
         if damaged:  # it would be found, and fail, for every later request: remove it
-            path.unlink(missing_ok=True)
+            _remove_entry(path)
         return None
     return tensor.to(self._device, dtype=self._dtype or tensor.dtype)
+
+
+def _remove_entry(path: Path) -> None:
+    "Delete a damaged file; one that cannot be (a directory, a read-only folder) is logged, never raised."
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("EC connector: cannot delete %s (%s); it stays, and is never loaded", path, e)
 
 
 @patch

@@ -112,8 +112,8 @@ class ExampleConnector(KVConnectorBase_V1):
         return self._storage / f"{key}{shard}.safetensors"
 
     def _stored(self, key: str) -> bool:
-        "Whether every tensor-parallel rank's file for `key` exists (the scheduler's view)."
-        return all(self._path(key, r).exists() for r in range(self._tp_size))
+        "Whether every tensor-parallel rank's file for `key` is a regular file (a planted directory is not)."
+        return all(self._path(key, r).is_file() for r in range(self._tp_size))
 
     def _keys(self, request: Any) -> list[str]:
         salt = getattr(request, "cache_salt", None) or ""
@@ -201,7 +201,15 @@ def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -
             )  # fmt: skip
             self._invalid_block_ids.add(block_id)
             if damaged:  # it would be matched, and fail, for every later request: remove it
-                self._path(key).unlink(missing_ok=True)
+                _remove_entry(self._path(key))
+
+
+def _remove_entry(path: Path) -> None:
+    "Delete a damaged entry; one that cannot be (a directory, a read-only folder) is logged, never raised."
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("ExampleConnector: cannot delete %s (%s); it stays, and is never loaded", path, e)
 
 
 class _DamagedFile(ValueError):

@@ -156,6 +156,19 @@ class LocalCPUBackend:
     def __len__(self) -> int:
         return len(self._data)
 
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #acae54e37e7d407bbb7b55eff062a284
+def _scan_chunks(path: Path) -> OrderedDict[str, int]:
+    "`*.kvchunk` regular files in `path`, oldest mtime first, name -> bytes (anything else is skipped)."
+    found = []
+    for p in path.glob("*.kvchunk"):
+        try:
+            st = p.stat()  # follows a link: a dangling one raises, one to a device is not regular
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found.append((st.st_mtime, p.name, st.st_size))
+    return OrderedDict((name, size) for _, name, size in sorted(found))
+
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #1201947d
 class LocalDiskBackend:
     """Chunks as `<path>/<sha256(key)>.kvchunk` (`serialize_kv` format), LRU by bytes up to `max_bytes`
@@ -177,15 +190,14 @@ class LocalDiskBackend:
         self.num_stale_tmp_removed = 0
         self._lock = threading.Lock()
         self._sweep_stale_tmp()
-        files = sorted(self.path.glob("*.kvchunk"), key=lambda p: p.stat().st_mtime)
-        self._index: OrderedDict[str, int] = OrderedDict((p.name, p.stat().st_size) for p in files)
+        self._index: OrderedDict[str, int] = _scan_chunks(self.path)
         self.used_bytes = sum(self._index.values())
 
     def _file(self, key: CacheEngineKey) -> Path:
         return self.path / (hashlib.sha256(key.to_string().encode()).hexdigest() + ".kvchunk")
 
     def contains(self, key: CacheEngineKey) -> bool:
-        return self._file(key).exists()
+        return self._file(key).is_file()  # a directory or a dangling link planted there is no chunk
 
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
         f = self._file(key)
@@ -217,7 +229,7 @@ class LocalDiskBackend:
     def remove(self, key: CacheEngineKey) -> bool:
         "Delete `key`'s file; True if it was there."
         f = self._file(key)
-        existed = f.exists()
+        existed = f.is_file()
         self._drop(f.name)
         return existed
 
@@ -255,7 +267,10 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
 
 @patch
 def _drop(self: LocalDiskBackend, name: str) -> None:
-    (self.path / name).unlink(missing_ok=True)
+    try:
+        (self.path / name).unlink(missing_ok=True)
+    except OSError as e:  # a directory planted there, a read-only folder: logged, never raised
+        logger.warning("LocalDiskBackend: cannot delete %s (%s); it stays, and is never loaded", name, e)
     with self._lock:
         self.used_bytes -= self._index.pop(name, 0)
 
