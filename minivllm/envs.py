@@ -58,7 +58,9 @@ _KERNELS = {  # kernels and dispatch on the CPU
         "", "cudagraph_mode", ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), True
     ),
     "MINIVLLM_CPU_GRAPH_POOL": _choice("1", "0: CPU graphs without the shared memory pool", _ON_OFF),
-    "MINIVLLM_LORA_KERNEL": _choice("cpu", "LoRA on the CPU: grouped or reference", ("cpu", "torch")),
+    "MINIVLLM_LORA_KERNEL": _choice(
+        "cpu", "LoRA shrink/expand: grouped, reference or Triton (CUDA default)", ("cpu", "torch", "triton")
+    ),
 }
 _PROCESSES = {
     "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING": _choice("0", "serve /v1/load_lora_adapter", _BOOL_WORDS, True),

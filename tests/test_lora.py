@@ -188,3 +188,30 @@ def test_more_adapters_than_slots_swaps(case, max_loras, max_cpu_loras):
     else:  # all cached on the host; the slots swap
         assert worker_manager.num_loads == len(ADAPTERS)
         assert worker_manager.adapter_manager.num_evictions > 0
+
+
+def _graph_replays(llm) -> int:
+    "Decode steps that ran on a CPU graph: replays plus the captures made in a step (all but the first)."
+    entries = _runner(llm).cudagraphs.values()
+    return sum(e.cudagraphs[0].num_replays for e in entries) + max(len(entries) - 1, 0)
+
+
+def test_cpu_graphs_equal_eager_and_peft(case, monkeypatch):
+    """Decode steps of a batch mixing three adapters and the base model replay CPU graphs (the LoRA layers'
+    static path, chapter 30h) and give the tokens of the eager engine and of peft, adapter by adapter. The
+    slots change between the runs' steps (LRU, max_loras=2 < 3 adapters) while the graphs stay the same."""
+    monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)
+    _, path, prompts, max_tokens, loras, _ = case
+    assignment = _assignment()
+    requests = [loras[n] if n else None for n in assignment]
+    graphs, got = _run(path, prompts, max_tokens, requests)
+    eager, want = _run(path, prompts, max_tokens, requests, enforce_eager=True)
+    assert _runner(graphs).cudagraphs and _graph_replays(graphs) > 0, "no decode step replayed a CPU graph"
+    assert not _runner(eager).cudagraphs
+    assert got == want
+    _check(case, got, assignment)
+    # fewer slots than adapters: steps with different slot contents replay the same graphs
+    swapped, again = _run(path, prompts, max_tokens, requests, max_loras=2, max_cpu_loras=3)
+    assert _graph_replays(swapped) > 0
+    assert _runner(swapped).lora_manager.adapter_manager.num_evictions > 0
+    _check(case, again, assignment)

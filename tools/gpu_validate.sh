@@ -11,6 +11,7 @@
 #           tiny Qwen3/Llama/Gemma3 greedy with the Triton backend and FULL_DECODE_ONLY / FULL graphs equal to the
 #           torch reference) and tests/test_cudagraph_runner.py (its GPU test: FULL, PIECEWISE and
 #           FULL_AND_PIECEWISE graphs, Triton and torch-reference attention, equal to eager and the reference);
+#           tests/test_lora_triton.py (<= 90 s: the LoRA shrink/expand kernels and a mixed-adapter batch on CUDA);
 #        b. benchmarks/attention_kernels.py (<= 60 s);
 #        c. benchmarks/throughput.py (<= 150 s) on a random-weight Qwen3-0.6B-shaped checkpoint (bf16), eager
 #           (--enforce-eager) then FULL_AND_PIECEWISE, nano-vllm's workload shape (input and output lengths
@@ -68,6 +69,10 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_kv_connector_pd.py -
 # greedy tokens with ngram and draft-model drafts equal to transformers' (float32)
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_spec_decode.py tests/test_spec_decode_sampler.py \
   -k "ngram_greedy or own_draft or draft_model_greedy or distribution" -rs 2>&1 | tee "$LOG/tests_spec_decode.txt" || rc=1
+# multi-LoRA (issue 32): the Triton shrink/expand kernels (kernels/lora_ops.py) in fp32/fp16/bf16 against the
+# torch reference on the device, and a tiny Llama with three adapters and the base model in one batch on CUDA
+# (the Triton kernels, the CUDA default) giving the torch reference kernel's greedy tokens
+timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_lora_triton.py -rs 2>&1 | tee "$LOG/tests_lora.txt" || rc=1
 timeout 60 $PY benchmarks/attention_kernels.py --iters 20 2>&1 | tee "$LOG/bench_kernels.txt" || rc=1
 timeout 150 $PY benchmarks/throughput.py --device cuda --random-weights qwen3-0.6b --skip-hf \
   --num-prompts "${THROUGHPUT_PROMPTS:-128}" --min-len 100 --max-len 1024 --min-output-len 100 --max-output-len 1024 \

@@ -11,6 +11,8 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
+from ..compilation_config import CUDAGraphMode
+from ..forward_context import get_forward_context, is_forward_context_available
 from .punica_wrapper.punica_cpu import LoRAMapping, PunicaWrapperCPU
 from minivllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -59,7 +61,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
     for a plain layer). After `create_lora_weights`: `lora_a_stacked[s]` (max_loras, 1, max_lora_rank,
     input_size) and `lora_b_stacked[s]` (max_loras, 1, output_slices[s], max_lora_rank), in the base
     weights' dtype on their device, views into `lora_a_fused` (max_loras, 1, S * r, input_size) and the
-    block-diagonal `lora_b_fused` (max_loras, 1, sum(output_slices), S * r).
+    block-diagonal `lora_b_fused` (max_loras, 1, sum(output_slices), S * r), itself a transposed view of
+    `lora_b_all` (max_loras, S * r, N) contiguous, the static path's B (chapter 30h).
     `forward(x: (T, input_size))` -> (y (T, N), bias or None) as the base
     layer. Source: vLLM v0.15 lora/layers/base_linear.py `BaseLinearLayerWithLoRA`."""
 
@@ -98,7 +101,9 @@ def create_lora_weights(
     # one buffer per side, the slices views into it: A stacked along the rank, B block-diagonal (its
     # off-diagonal blocks stay zero), so the CPU kernel does one shrink and one expand for all slices
     self.lora_a_fused = torch.zeros(max_loras, 1, S * r, self.input_size, dtype=dtype, device=device)
-    self.lora_b_fused = torch.zeros(max_loras, 1, N, S * r, dtype=dtype, device=device)
+    # B stored as the static path reads it, (slot, rank, N) contiguous; lora_b_fused is its transposed view
+    self.lora_b_all = torch.zeros(max_loras, S * r, N, dtype=dtype, device=device)
+    self.lora_b_fused = self.lora_b_all.transpose(1, 2).unsqueeze(1)
     offsets = [sum(self.output_slices[:s]) for s in range(S)]
     self.lora_a_stacked = tuple(self.lora_a_fused[:, :, s * r : (s + 1) * r] for s in range(S))
     self.lora_b_stacked = tuple(
@@ -148,13 +153,26 @@ def set_lora(
         self.lora_b_stacked[s][index, 0, :, :r].copy_(b)
 
 
+def _in_graph() -> bool:
+    "True while the forward runs under a CPU or CUDA graph mode (capture, replay, or its eager fallback)."
+    if not is_forward_context_available():
+        return False
+    return get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
+
+
 @patch
 def forward(self: BaseLinearLayerWithLoRA, x: torch.Tensor):
     out, out_bias = self.base_layer(x)
     pw = self.punica_wrapper
-    if pw is None or pw.no_lora:
+    if pw is None:
         return out, out_bias
     y, x2 = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+    if _in_graph():  # captured or replayed: the static path, whatever this step's adapters (chapter 30h)
+        a_all = self.lora_a_fused.view(-1, self.input_size)  # (max_loras * S * r, K)
+        pw.add_lora_linear_static(y, x2, a_all, self.lora_b_all.view(-1, y.shape[1]))
+        return out, out_bias
+    if pw.no_lora:
+        return out, out_bias
     if pw.kernel == "torch":  # the reference: slice by slice, as the definition reads
         pw.add_lora_linear(y, x2, self.lora_a_stacked, self.lora_b_stacked, 1.0, self.output_slices)
     else:  # all slices at once through the fused buffers

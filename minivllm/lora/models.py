@@ -57,6 +57,17 @@ def _packed_target(module_name: str, packed_modules_mapping: dict[str, list[str]
 import re
 
 _PEFT_MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+_MM_LANGUAGE_MODEL = ("model.language_model.", "language_model.model.")  # transformers >= 4.52, older
+
+
+def _text_module_name(module: str) -> str:
+    """A PEFT module of a vision-language model's language model named as in the text model:
+    'model.language_model.layers.0.self_attn.q_proj' -> 'model.layers.0.self_attn.q_proj'; others unchanged
+    (a vision tower's module then matches no supported name and is refused)."""
+    for prefix in _MM_LANGUAGE_MODEL:
+        if module.startswith(prefix):
+            return "model." + module[len(prefix) :]
+    return module
 
 
 def expected_lora_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
@@ -110,6 +121,7 @@ def check_lora_tensors(lora_dir: str, hf_config: Any, max_lora_rank: int) -> dic
     pairs: dict[str, dict[bool, tuple]] = {}
     for name, shape in shapes.items():
         module, is_a = parse_fine_tuned_lora_name(name)
+        module = _text_module_name(module)
         m = _PEFT_MODULE.match(module)
         leaf = module.rsplit(".", 1)[-1]
         if m is None or leaf not in SUPPORTED_LORA_MODULES:
@@ -230,6 +242,7 @@ def from_local_checkpoint(
     pieces: dict[str, dict[bool, torch.Tensor]] = {}
     for name, t in tensors.items():
         module, is_a = parse_fine_tuned_lora_name(name)
+        module = _text_module_name(module)
         pieces.setdefault(module, {})[is_a] = t.to(device=device, dtype=dtype or t.dtype)
     loras = {}
     for module, ab in pieces.items():
@@ -317,10 +330,15 @@ class LoRAModelManager:
             getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED_MODULES_MAPPING
         )
         self.punica_wrapper = PunicaWrapperCPU(max_num_batched_tokens, max_num_seqs, self.device)
+        # a vision-language model: LoRA layers in its language model only (not the tower or connector)
+        self.lm_prefix = "language_model." if hasattr(model, "get_language_model") else ""
         self.modules: dict[str, BaseLayerWithLoRA] = {}
         self._registered_adapters: dict[int, LoRAModel] = {}
         self._active_adapters: dict[int, None] = {}
         self._create_lora_modules()
+        # the static (graph) path's one-hot token x slot mask, in the LoRA weights' dtype (chapter 30h)
+        dtypes = [m.lora_a_fused.dtype for m in self.modules.values()]
+        self.punica_wrapper.allocate_lora_mask(self.lora_slots, dtypes[0] if dtypes else torch.float32)
 
     @property
     def capacity(self) -> int:
@@ -340,6 +358,8 @@ class LoRAModelManager:
 def _create_lora_modules(self: LoRAModelManager) -> None:
     "Wrap each module whose PEFT names (packed or not) are supported; ValueError if none is found."
     for name, module in list(self.model.named_modules()):
+        if not name.startswith(self.lm_prefix):
+            continue
         leaf = name.rsplit(".", 1)[-1]
         packed = self.packed_modules_mapping.get(leaf, [leaf])
         if not any(p in SUPPORTED_LORA_MODULES for p in packed) or isinstance(module, BaseLayerWithLoRA):
@@ -372,6 +392,7 @@ def activate_adapter(self: LoRAModelManager, lora_id: int) -> bool:
     per_module: dict[str, tuple[list, list]] = {}
     for peft_name, w in lora.loras.items():
         target, s = _packed_target(peft_name, self.packed_modules_mapping)
+        target = self.lm_prefix + target
         if target not in self.modules:
             raise ValueError(f"target_modules: {peft_name!r} has no LoRA layer in the model")
         n = self.modules[target].n_slices

@@ -5,6 +5,7 @@
 # %% ../../../nbs/30h_punica_wrapper.ipynb #0bac7669
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -30,11 +31,13 @@ class LoRAMapping:
         self.prompt_mapping = np.asarray(self.prompt_mapping, dtype=np.int64)
 
 # %% ../../../nbs/30h_punica_wrapper.ipynb #12b74cc2
-def _lora_kernel() -> str:
-    "`MINIVLLM_LORA_KERNEL`: 'cpu' (default, grouped) or 'torch' (the index_select/bmm reference)."
-    kind = os.environ.get("MINIVLLM_LORA_KERNEL", "cpu")
-    if kind not in ("cpu", "torch"):
-        raise ValueError(f"MINIVLLM_LORA_KERNEL must be 'cpu' or 'torch'; got {kind!r}")
+def _lora_kernel(device: torch.device) -> str:
+    """`MINIVLLM_LORA_KERNEL`: 'cpu' (grouped matmuls), 'torch' (the index_select/bmm reference) or 'triton'
+    (kernels/lora_ops.py, per-token BGMV). Default: 'triton' on CUDA when Triton is installed, else 'cpu'."""
+    default = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "cpu"
+    kind = os.environ.get("MINIVLLM_LORA_KERNEL", default)
+    if kind not in ("cpu", "torch", "triton"):
+        raise ValueError(f"MINIVLLM_LORA_KERNEL must be 'cpu', 'torch' or 'triton'; got {kind!r}")
     return kind
 
 
@@ -42,8 +45,11 @@ class PunicaWrapperCPU:
     """Per-token LoRA slots for one step and the shrink/expand over them. `token_lora_indices`:
     (max_num_batched_tokens,) int64 on `device`, the first `num_tokens` valid (slot or -1). `groups`: per slot
     present, (slot, start, end): a run of tokens, in the step's order when `perm` is None, else in the
-    order of `perm` ((num_lora_tokens,) int64: the adapter tokens sorted by slot).
-    `kernel`: "cpu" (grouped) or "torch" (reference); default from env `MINIVLLM_LORA_KERNEL`.
+    order of `perm` ((num_lora_tokens,) int64: the adapter tokens sorted by slot). `lora_mask`:
+    (max_num_batched_tokens, max_loras) one-hot of each token's slot in the LoRA weights' dtype, written in
+    place by `update_metadata` (None until `allocate_lora_mask`), for the static path of graphs.
+    `kernel`: "cpu" (grouped), "torch" (reference) or "triton" (per-token kernels); default from env
+    `MINIVLLM_LORA_KERNEL` (chapter kernels/05).
     Source: vLLM v0.15 lora/punica_wrapper/punica_cpu.py `PunicaWrapperCPU`."""
 
     def __init__(
@@ -55,7 +61,7 @@ class PunicaWrapperCPU:
     ):
         self.device = torch.device(device)
         self.max_num_batched_tokens, self.max_batches = max_num_batched_tokens, max_batches
-        self.kernel = kernel or _lora_kernel()
+        self.kernel = kernel or _lora_kernel(self.device)
         self._token_lora_indices = torch.full(
             (max_num_batched_tokens,), -1, dtype=torch.int64, device=self.device
         )
@@ -63,6 +69,7 @@ class PunicaWrapperCPU:
         self.groups: list[tuple] = []
         self.perm: torch.Tensor | None = None
         self.no_lora = True
+        self.lora_mask: torch.Tensor | None = None
 
     @property
     def token_lora_indices(self) -> torch.Tensor:
@@ -95,6 +102,7 @@ def update_metadata(
     self.num_tokens = n
     self.groups, self.perm = _group_tokens(slots, self.device)
     self.no_lora = not self.groups
+    self._write_lora_mask(slots)
 
 
 def _group_tokens(slots: np.ndarray, device: torch.device) -> tuple[list[tuple], torch.Tensor | None]:
@@ -115,6 +123,25 @@ def _group_tokens(slots: np.ndarray, device: torch.device) -> tuple[list[tuple],
         runs.append((slot, start, start + n))
         start += n
     return runs, torch.from_numpy(order).to(device)
+
+# %% ../../../nbs/30h_punica_wrapper.ipynb #b1c0a002
+@patch
+def allocate_lora_mask(self: PunicaWrapperCPU, max_loras: int, dtype: torch.dtype) -> None:
+    "Allocate `lora_mask` (max_num_batched_tokens, max_loras) zeros of `dtype` on the wrapper's device."
+    self.lora_mask = torch.zeros(self.max_num_batched_tokens, max_loras, dtype=dtype, device=self.device)
+
+
+@patch
+def _write_lora_mask(self: PunicaWrapperCPU, slots: np.ndarray) -> None:
+    "lora_mask[t, slots[t]] = 1 for the step's adapter tokens, every other entry 0 (in place; no-op if None)."
+    if self.lora_mask is None:
+        return
+    if slots.size and slots.max() >= self.lora_mask.shape[1]:
+        raise ValueError(f"slot {int(slots.max())} beyond the mask's {self.lora_mask.shape[1]} slots")
+    self.lora_mask.zero_()
+    rows = np.flatnonzero(slots >= 0)
+    if len(rows):
+        self.lora_mask[torch.from_numpy(rows), torch.from_numpy(slots[rows])] = 1
 
 # %% ../../../nbs/30h_punica_wrapper.ipynb #59c26349
 def _shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -177,12 +204,15 @@ def add_lora_linear(
 ) -> None:
     """y (T, sum(output_slices)) += per token and slice `scale * B_s[slot] @ A_s[slot] @ x`, in place;
     x (T, K) in the weights' dtype; tokens of slot -1 unchanged. T must equal `num_tokens` (the runner runs
-    LoRA steps eagerly, unpadded); raises `ValueError` otherwise. Source: vLLM v0.15 punica_cpu.py
-    `add_lora_linear`."""
+    eager steps unpadded; graph steps take `add_lora_linear_static`); raises `ValueError` otherwise.
+    Source: vLLM v0.15 punica_cpu.py `add_lora_linear`."""
     if self.no_lora:
         return
     if x.shape[0] != self.num_tokens:
         raise ValueError(f"LoRA: {x.shape[0]} tokens in the layer, {self.num_tokens} in the mapping")
+    if self.kernel == "triton":
+        self._add_lora_linear_triton(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices)
+        return
     if self.kernel == "torch":
         shrunk = tuple(
             torch.zeros(x.shape[0], a.shape[2], dtype=x.dtype, device=x.device) for a in lora_a_stacked
@@ -220,3 +250,39 @@ def _add_group(
         h = x @ a[slot, 0].T  # (T_g, r)
         y[:, offset : offset + n].addmm_(h, b[slot, 0].T, beta=beta, alpha=scale)
         offset += n
+
+
+@patch
+def _add_lora_linear_triton(
+    self: PunicaWrapperCPU, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices
+) -> None:
+    "`add_lora_linear` through the Triton BGMV kernels (kernels/lora_ops.py): per slice, shrink then expand."
+    from kernels.lora_ops import bgmv_expand, bgmv_shrink
+
+    slots = self.token_lora_indices
+    offset = 0
+    for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
+        h = torch.empty(x.shape[0], a.shape[2], dtype=torch.float32, device=x.device)  # (T, r)
+        bgmv_shrink(x, a[:, 0], h, slots, scale)
+        bgmv_expand(h, b[:, 0], y, slots, offset)
+        offset += n
+
+# %% ../../../nbs/30h_punica_wrapper.ipynb #b1c0a004
+@patch
+def add_lora_linear_static(
+    self: PunicaWrapperCPU,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_all: torch.Tensor,
+    lora_b_all: torch.Tensor,
+) -> None:
+    """y (T, N) += (x @ lora_a_all.T masked to each token's slot) @ lora_b_all, in place, for any T up to
+    max_num_batched_tokens (padding rows have an all-zero mask); x (T, K); lora_a_all (max_loras * R, K),
+    lora_b_all (max_loras * R, N), R = S * max_lora_rank. Raises `RuntimeError` before `allocate_lora_mask`.
+    Source: vLLM v0.15 punica_gpu.py `add_lora_linear` under CUDA graphs (persistent metadata), on the CPU."""
+    if self.lora_mask is None:
+        raise RuntimeError("PunicaWrapperCPU: allocate_lora_mask before the static (graph) path")
+    num_tokens, num_slots = x.shape[0], self.lora_mask.shape[1]
+    h = x @ lora_a_all.T  # (T, max_loras * R)
+    h.view(num_tokens, num_slots, -1).mul_(self.lora_mask[:num_tokens].unsqueeze(-1))
+    y.addmm_(h, lora_b_all)

@@ -34,12 +34,10 @@ class LoRAModelRunnerMixin:
     lora_manager: LRUCacheWorkerLoRAManager | None = None
 
     def load_lora_model(self, model: nn.Module, vllm_config: Any, device: torch.device | str) -> nn.Module:
-        """Wrap `model`'s projections with LoRA layers. Raises `ValueError` for a model class without
-        LoRA support or a multimodal model."""
+        """Wrap `model`'s projections with LoRA layers (a vision-language model's language model only).
+        Raises `ValueError` for a model class without LoRA support."""
         if not supports_lora(model):
             raise ValueError(f"enable_lora: {type(model).__name__} does not support LoRA")
-        if getattr(vllm_config.model_config, "is_multimodal_model", False):
-            raise ValueError("enable_lora: LoRA on multimodal models is not supported by minivllm")
         self.lora_manager = LRUCacheWorkerLoRAManager(vllm_config, device)
         logger.info(
             "LoRA: %d slots of rank %d, %d adapters cached on the host",
