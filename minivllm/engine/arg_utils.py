@@ -97,6 +97,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    enable_tower_connector_lora: bool = False
 
     def __post_init__(self):
         # ModelConfig / CacheConfig check these again; here they fail before the embedded model is converted
@@ -238,18 +239,20 @@ def _check_parallel_sizes(model_config: ModelConfig, tp: int, pp: int, backend: 
 # %% ../../nbs/29a_arg_utils.ipynb #253ba43c
 @patch
 def create_lora_config(self: EngineArgs, model_config: ModelConfig, parallel_config: ParallelConfig) -> Any:
-    """A `LoRAConfig` (chapter 30f) with `enable_lora`, else None. Raises ValueError naming the flag for
-    LoRA with a multimodal model or with tensor / pipeline parallelism (not supported yet)."""
+    """A `LoRAConfig` (chapter 30f) with `enable_lora`, else None (on a multimodal model the adapters apply
+    to the language model). Raises ValueError naming the flag for LoRA with tensor / pipeline parallelism
+    (not supported yet)."""
     if not self.enable_lora:
         return None
     from minivllm.lora.config import LoRAConfig
 
-    if model_config.is_multimodal_model:
-        raise ValueError("enable_lora: LoRA on multimodal models is not supported by minivllm")
     if parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size > 1:
         raise ValueError("enable_lora: not supported with tensor_parallel_size or pipeline_parallel_size > 1")
     return LoRAConfig(
-        max_lora_rank=self.max_lora_rank, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras
+        max_lora_rank=self.max_lora_rank,
+        max_loras=self.max_loras,
+        max_cpu_loras=self.max_cpu_loras,
+        enable_tower_connector_lora=self.enable_tower_connector_lora,
     )
 
 # %% ../../nbs/29a_arg_utils.ipynb #1c468e54

@@ -14,14 +14,16 @@ POSSIBLE_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 class LoRAConfig:
     """Multi-LoRA sizes: `max_loras` adapters usable in one step (device slots), `max_lora_rank` the rank
     every slot holds (one of `POSSIBLE_MAX_LORA_RANKS`), `max_cpu_loras` adapters cached on the host
-    (None: `max_loras`; >= max_loras), `lora_dtype` "auto" (the model's dtype). Raises `ValueError` naming the
-    field for a value out of range. Source: vLLM v0.15 config/lora.py `LoRAConfig`."""
+    (None: `max_loras`; >= max_loras), `lora_dtype` "auto" (the model's dtype), `enable_tower_connector_lora`
+    (multimodal: per-adapter image identifiers, see above). Raises `ValueError` naming the field for a value
+    out of range. Source: vLLM v0.15 config/lora.py `LoRAConfig`."""
 
     max_lora_rank: int = 16
     max_loras: int = 1
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False
+    enable_tower_connector_lora: bool = False
 
     def __post_init__(self):
         if self.max_lora_rank not in POSSIBLE_MAX_LORA_RANKS:

@@ -212,8 +212,11 @@ def _process_multimodal(self: InputProcessor, prompt: Any):
 
 # %% ../../../nbs/25_input_processor.ipynb #e2bbc976
 @patch
-def _make_mm_features(self: InputProcessor, mm_inputs) -> list[MultiModalFeatureSpec] | None:
-    "Check the images against the engine's budgets, commit them to the processor cache, build the features."
+def _make_mm_features(
+    self: InputProcessor, mm_inputs, lora_request: Any = None
+) -> list[MultiModalFeatureSpec] | None:
+    """Check the images against the engine's budgets, commit them to the processor cache, build the features
+    (`identifier` from `_get_mm_identifier`: the adapter's name in front with tower / connector LoRA)."""
     if mm_inputs is None:
         return None
     sched = self.vllm_config.scheduler_config
@@ -246,7 +249,8 @@ def _make_mm_features(self: InputProcessor, mm_inputs) -> list[MultiModalFeature
                 "(raise --max-num-batched-tokens)"
             )
         mm_hash = mm_inputs.mm_hashes[modality][i]
-        features.append(MultiModalFeatureSpec(None, modality, mm_hash, pos, mm_hash))
+        identifier = self._get_mm_identifier(mm_hash, lora_request)
+        features.append(MultiModalFeatureSpec(None, modality, identifier, pos, mm_hash))
     self.mm_processor.commit_cache(mm_inputs)
     for feature, (modality, i) in zip(features, order):
         feature.data = mm_inputs.mm_kwargs[modality][i]
@@ -285,6 +289,17 @@ def _validate_lora(self: InputProcessor, lora_request: Any) -> None:
     validate_lora_adapter(lora_request, lora_config, self.model_config.hf_text_config)
     seen[lora_request.lora_int_id] = owner
 
+# %% ../../../nbs/25_input_processor.ipynb #c3d1e002
+@patch
+def _get_mm_identifier(self: InputProcessor, mm_hash: str, lora_request: Any) -> str:
+    """The encoder-cache / prefix-cache key of an image: `mm_hash`, or `f"{lora_name}:{mm_hash}"` for a
+    request with an adapter when tower / connector LoRA is enabled. Source: vLLM v0.15
+    v1/engine/input_processor.py `_get_mm_identifier`."""
+    lora_config = getattr(self.vllm_config, "lora_config", None)
+    if lora_request is None or lora_config is None or not lora_config.enable_tower_connector_lora:
+        return mm_hash
+    return f"{lora_request.lora_name}:{mm_hash}"
+
 # %% ../../../nbs/25_input_processor.ipynb #862159f2
 @patch
 def process_inputs(
@@ -318,7 +333,7 @@ def process_inputs(
     else:
         prompt_token_ids = mm_inputs.prompt_token_ids
     self._validate_model_inputs(prompt_token_ids)
-    mm_features = self._make_mm_features(mm_inputs)
+    mm_features = self._make_mm_features(mm_inputs, lora_request)
     sampling_params = params.clone()
     if sampling_params.max_tokens is None:
         sampling_params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
