@@ -21,24 +21,9 @@ from kernels.cpu_build import _cpu_model, cpu_flags, find_c_compiler, kernel_cac
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = [
-    "logger",
-    "CPU_GEMM_BUCKET_ROWS",
-    "CPU_GEMM_MARGIN",
-    "CPU_GEMM_RUNS",
-    "CPU_GEMM_KINDS",
-    "m_bucket",
-    "cpu_gemm_tuning_enabled",
-    "cpu_gemm_candidates",
-    "llc_bytes",
-    "evict_cpu_caches",
-    "time_cpu_gemm",
-    "pick_kinds",
-    "cpu_gemm_kind_available",
-    "runnable_times",
-    "cpu_gemm_cache_path",
-    "select_cpu_gemm_kinds",
-]
+__all__ = ['logger', 'CPU_GEMM_BUCKET_ROWS', 'CPU_GEMM_MARGIN', 'CPU_GEMM_RUNS', 'CPU_GEMM_KINDS', 'm_bucket',
+           'cpu_gemm_tuning_enabled', 'cpu_gemm_candidates', 'llc_bytes', 'evict_cpu_caches', 'time_cpu_gemm',
+           'pick_kinds', 'cpu_gemm_kind_available', 'runnable_times', 'cpu_gemm_cache_path', 'select_cpu_gemm_kinds']
 
 # %% ../../../nbs/30d_layer_utils.ipynb #43cd434a
 CPU_GEMM_BUCKET_ROWS = (1, 4, 16, 64)  # the row count each bucket is timed at (its upper end; 64 for 17+)
@@ -58,7 +43,6 @@ def cpu_gemm_tuning_enabled() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"MINIVLLM_CPU_GEMM_TUNING must be 0 or 1; got {value!r}")
     return value == "1"
-
 
 # %% ../../../nbs/30d_layer_utils.ipynb #2f52c240
 def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str, Callable]:
@@ -83,7 +67,6 @@ def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str,
         plain = weight.detach()
         out["F.linear"] = lambda x, bias=None: F.linear(x, plain, bias)
     return out
-
 
 # %% ../../../nbs/30d_layer_utils.ipynb #772f65e5
 def llc_bytes() -> int:
@@ -146,7 +129,6 @@ def pick_kinds(times: dict[str, list[float]], default: str) -> tuple[str, ...]:
         kinds.append(default if keep else fastest)
     return tuple(kinds)
 
-
 # %% ../../../nbs/30d_layer_utils.ipynb #698d0849
 def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
     """True when this process can run GEMM `kind` on CPU weight (N, K): "F.linear" always; "cpu_gemm" for a
@@ -180,7 +162,6 @@ def runnable_times(times: dict[str, list[float]], weight: torch.Tensor) -> dict[
     if not out:
         out["F.linear"] = [float("inf")] * len(CPU_GEMM_BUCKET_ROWS)
     return out
-
 
 # %% ../../../nbs/30d_layer_utils.ipynb #4af4ec1b
 _CHOICES: dict[tuple, tuple[str, ...]] = {}
@@ -232,7 +213,6 @@ def _valid_runs(entry) -> int | None:
     runs = entry.get("runs") if isinstance(entry, dict) else None
     return runs if type(runs) is int and runs >= 0 else None
 
-
 # %% ../../../nbs/30d_layer_utils.ipynb #172270d4
 def _write_choice(path, shape_key: str, entry: dict) -> None:
     table = _read_choices(path)  # again: another process may have added shapes meanwhile
@@ -249,7 +229,6 @@ def _write_choice(path, shape_key: str, entry: dict) -> None:
             tmp.unlink(missing_ok=True)  # os.replace failed: no half-written file left behind
         except OSError:
             pass
-
 
 # %% ../../../nbs/30d_layer_utils.ipynb #5833ae8b
 def _machine_was_quiet() -> bool:
