@@ -87,7 +87,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
     def n_slices(self) -> int:
         return len(self.output_slices)
 
-# %% ../../nbs/30i_lora_layers.ipynb
+# %% ../../nbs/30i_lora_layers.ipynb #769e16be
 @patch
 def create_lora_weights(
     self: BaseLinearLayerWithLoRA, max_loras: int, lora_config: Any, model_config: Any = None
@@ -119,7 +119,7 @@ def reset_lora(self: BaseLinearLayerWithLoRA, index: int) -> None:
         a[index].zero_()
         b[index].zero_()
 
-# %% ../../nbs/30i_lora_layers.ipynb
+# %% ../../nbs/30i_lora_layers.ipynb #bae59731
 @patch
 def set_lora(
     self: BaseLinearLayerWithLoRA,
@@ -152,7 +152,7 @@ def set_lora(
         self.lora_a_stacked[s][index, 0, :r].copy_(a)
         self.lora_b_stacked[s][index, 0, :, :r].copy_(b)
 
-# %% ../../nbs/30i_lora_layers.ipynb
+# %% ../../nbs/30i_lora_layers.ipynb #a80dfc65
 def _in_graph() -> bool:
     "True while the forward runs under a CPU or CUDA graph mode (capture, replay, or its eager fallback)."
     if not is_forward_context_available():
