@@ -640,3 +640,36 @@ def test_lmcache_disk_dangling_link_does_not_stop_start_up(tmp_path):
     (tmp_path / ("c" * 64 + ".kvchunk")).mkdir()
     disk = LocalDiskBackend(tmp_path, 1 << 20)
     assert disk.used_bytes == 0 and len(disk._index) == 0
+
+
+def test_engine_core_yields_while_only_waiting_for_remote_kv():
+    """17. While every request waits for remote KV (`WAITING_FOR_REMOTE_KVS`), `EngineCoreProc`'s busy loop
+    stepped without running the model as fast as it could (~20,000 steps/s), holding the GIL against the
+    pull thread and the socket threads of the same process: through `minivllm serve`, 8 requests pulling from
+    a silent peer made a plain request beside them take 10.8 s instead of 0.8 s, and the bad pulls' 10 s
+    timeouts fired after 41 s. A step that ran no model while requests remain sleeps 1 ms (vLLM v0.15
+    v1/engine/core.py `EngineCoreProc._process_engine_step`): such steps are at most one a millisecond."""
+    import queue
+    from types import SimpleNamespace
+
+    from minivllm.v1.engine.core import EngineCoreProc
+
+    ran = [False]
+    proc = SimpleNamespace(
+        step_fn=lambda: ({}, ran[0]),
+        scheduler=SimpleNamespace(has_requests=lambda: True, has_unfinished_requests=lambda: True),
+        output_queue=queue.Queue(),
+        batch_queue=None,
+    )
+    n, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 0.2:
+        EngineCoreProc._process_engine_step(proc)
+        n += 1
+    elapsed = time.monotonic() - t0
+    assert n <= elapsed / 1e-3 + 1, f"{n} idle steps in {elapsed:.3f} s: the loop never yields"
+    ran[0] = True  # a step that ran the model goes straight on
+    n, t0 = 0, time.monotonic()
+    while n < 5000:
+        EngineCoreProc._process_engine_step(proc)
+        n += 1
+    assert time.monotonic() - t0 < 4.0  # 5000 sleeps of 1 ms would take at least 5 s

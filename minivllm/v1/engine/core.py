@@ -12,6 +12,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Iterable
@@ -454,6 +455,9 @@ def _process_engine_step(self: EngineCoreProc) -> bool:
     outputs, model_executed = self.step_fn()
     for item in (outputs or {}).items():
         self.output_queue.put_nowait(item)
+    if not model_executed and self.scheduler.has_requests():
+        # every request waits (remote KV, a grammar): let this process's other threads have the GIL
+        time.sleep(0.001)
     return model_executed
 
 # %% ../../../nbs/24_engine_core.ipynb #b2a00185
