@@ -186,7 +186,7 @@ def _remove_entry(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
     except OSError as e:
-        logger.warning("EC connector: cannot delete %s (%s); it stays, and is never loaded", path, e)
+        logger.warning("EC connector: cannot delete %s (%s); it stays, a miss each time", path, e)
 
 
 @patch

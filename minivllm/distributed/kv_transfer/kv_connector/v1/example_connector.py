@@ -209,7 +209,7 @@ def _remove_entry(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
     except OSError as e:
-        logger.warning("ExampleConnector: cannot delete %s (%s); it stays, and is never loaded", path, e)
+        logger.warning("ExampleConnector: cannot delete %s (%s); it stays, a miss each time", path, e)
 
 
 class _DamagedFile(ValueError):

@@ -270,7 +270,7 @@ def _drop(self: LocalDiskBackend, name: str) -> None:
     try:
         (self.path / name).unlink(missing_ok=True)
     except OSError as e:  # a directory planted there, a read-only folder: logged, never raised
-        logger.warning("LocalDiskBackend: cannot delete %s (%s); it stays, and is never loaded", name, e)
+        logger.warning("LocalDiskBackend: cannot delete %s (%s); it stays, a miss each time", name, e)
     with self._lock:
         self.used_bytes -= self._index.pop(name, 0)
 
