@@ -72,7 +72,11 @@ def test_step_n_plus_1_is_scheduled_before_step_n_is_processed(ckpt):
         llm.llm_engine.shutdown()
 
 
-def test_structured_output_under_async_scheduling(ckpt):
+def test_structured_output_under_async_scheduling(ckpt, monkeypatch):
+    # Sampled tokens are compared across two engines: both must multiply with the same GEMM kernels. With
+    # tuning on, the first processes on a fresh cache each re-measure (chapter 30d) and may pick another
+    # kernel per row bucket, whose float32 rounding can flip a sampled near-tie ('42-000' vs '42-005').
+    monkeypatch.setenv("MINIVLLM_CPU_GEMM_TUNING", "0")
     so = StructuredOutputsParams(regex=r"[0-9]{2}-[0-9]{3}")
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, structured_outputs=so)
     outs = {}
