@@ -17,6 +17,7 @@ import time
 
 import pytest
 import zmq
+from test_kv_connector_pd import _count_scheduled  # the same counter (tests/ is on sys.path)
 
 from minivllm import LLM, SamplingParams
 from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
@@ -59,19 +60,6 @@ def _run_until(llm, request_id: str, finished: dict, timeout: float = 40.0) -> N
     while request_id not in finished:
         assert time.monotonic() - t0 < timeout, f"{request_id} did not finish within {timeout} s"
         finished.update({out.request_id: out for out in llm.llm_engine.step() if out.finished})
-
-
-def _count_scheduled(llm) -> list:
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    counts, schedule = [], scheduler.schedule
-
-    def counting():
-        so = schedule()
-        counts.append(so.total_num_scheduled_tokens)
-        return so
-
-    scheduler.schedule = counting
-    return counts
 
 
 class _EvilPeer:
