@@ -14,7 +14,8 @@ import torch
 from .cpu_build import C_PRELUDE, CFLAGS, build_cpu_library, cpu_flags, launch
 
 # %% auto #0
-__all__ = ['CPU_GEMM_SRC', 'load_cpu_gemm_lib', 'use_cpu_gemm', 'pack_weight', 'cpu_gemm', 'make_cpu_gemm_linear']
+__all__ = ['CPU_GEMM_SRC', 'load_cpu_gemm_lib', 'use_cpu_gemm', 'pack_weight', 'cpu_gemm', 'make_cpu_gemm_linear',
+           'pack_weight_bf16_dp', 'cpu_gemm_bf16_dp_available', 'cpu_gemm_bf16_dp', 'make_cpu_gemm_bf16_dp_linear']
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #63d34fa7
 _TILE_SRC = r"""
@@ -107,8 +108,75 @@ int gemm_bf16(const bf16_t* xb, int64_t M, int64_t K, int64_t x_stride, const bf
 }
 """  # noqa: E501
 
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #aaafdfaf
+_DP_SRC = r"""
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DP_MR 8
+#define DP_NP 3
+#define DP_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
+#define DP_DECL(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0, c##r##2 = c##r##0;
+/* Row r's pair (x[r, 2kp], x[r, 2kp + 1]) in all 16 lanes, times the pairs of up to three panels. */
+#define DP_FMA(r) if (mr > r) { int32_t pr; memcpy(&pr, x + (int64_t)(r) * xs + 2 * kp, 4);                     \
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(pr); c##r##0 = _mm512_dpbf16_ps(c##r##0, a, b0);         \
+    if (np > 1) c##r##1 = _mm512_dpbf16_ps(c##r##1, a, b1); if (np > 2) c##r##2 = _mm512_dpbf16_ps(c##r##2, a, b2); }
+#define DP_ST1(r, acc, j) { const int64_t n0 = (nb0 + (j)) * 16; if (np > (j) && n0 < N) {                      \
+    const __mmask16 mk = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1); __m512 v = acc;  \
+    if (bias) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(                                   \
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + n0)), 16)));                               \
+    _mm256_mask_storeu_epi16(y + (int64_t)(r) * ys + n0, mk, (__m256i)_mm512_cvtneps_pbh(v)); } }
+#define DP_ST(r) if (mr > r) { DP_ST1(r, c##r##0, 0) DP_ST1(r, c##r##1, 1) DP_ST1(r, c##r##2, 2) }
+
+/* y[r, 16 nb0 : 16 (nb0 + np)] for r < mr (<= 8 rows, np <= 3 panels of pairs (K2, 16, 2), K2 * 32 apart). */
+static inline __attribute__((always_inline)) void tile_dp(const bf16_t* x, int64_t xs, const bf16_t* p,
+        int64_t K2, const int mr, const int np, bf16_t* y, int64_t ys, int64_t nb0, int64_t N, const bf16_t* bias) {
+    DP_ROWS(DP_DECL)
+    for (int64_t kp = 0; kp < K2; kp++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p + kp * 32);
+        const __m512bh b1 = np > 1 ? (__m512bh)_mm512_loadu_si512(p + K2 * 32 + kp * 32) : b0;
+        const __m512bh b2 = np > 2 ? (__m512bh)_mm512_loadu_si512(p + 2 * K2 * 32 + kp * 32) : b0;
+        DP_ROWS(DP_FMA)
+    }
+    DP_ROWS(DP_ST)
+}
+
+#define DP_NP_CASE(R) case R: if (np == 3) tile_dp(xm, xs, p, K2, R, 3, ym, N, nb0, N, bias);                  \
+    else if (np == 2) tile_dp(xm, xs, p, K2, R, 2, ym, N, nb0, N, bias);                                      \
+    else tile_dp(xm, xs, p, K2, R, 1, ym, N, nb0, N, bias); break;
+
+/* y (M, N) = x (M, K) @ W.T + bias, all bfloat16, with W packed by pairs: wp (ceil(N/16), ceil(K/2), 16, 2).
+   An odd K reads x through a copy padded with one zero column. Returns 0, or -1 when that copy fails. */
+int gemm_bf16_dp(const bf16_t* x0, int64_t M, int64_t K, int64_t x_stride, const bf16_t* wp, int64_t N,
+                 const bf16_t* bias, bf16_t* y, int nthreads) {
+    const int64_t NB = (N + 15) / 16, K2 = (K + 1) / 2, NG = (NB + DP_NP - 1) / DP_NP;
+    bf16_t* pad = NULL;
+    const bf16_t* x = x0;
+    int64_t xs = x_stride;
+    if (K & 1) {
+        pad = calloc((size_t)(M * 2 * K2), sizeof(bf16_t));
+        if (!pad) return -1;
+        for (int64_t m = 0; m < M; m++) memcpy(pad + m * 2 * K2, x0 + m * x_stride, sizeof(bf16_t) * K);
+        x = pad; xs = 2 * K2;
+    }
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t g = 0; g < NG; g++) {  /* a group of 3 panels, reused from L2 by every 8-row tile */
+        const int64_t nb0 = g * DP_NP;
+        const int np = NB - nb0 < DP_NP ? (int)(NB - nb0) : DP_NP;
+        const bf16_t* p = wp + nb0 * K2 * 32;
+        for (int64_t m0 = 0; m0 < M; m0 += DP_MR) {
+            const int mr = M - m0 < DP_MR ? (int)(M - m0) : DP_MR;
+            const bf16_t* xm = x + m0 * xs;
+            bf16_t* ym = y + m0 * N;
+            switch (mr) { DP_NP_CASE(8) DP_NP_CASE(7) DP_NP_CASE(6) DP_NP_CASE(5) DP_NP_CASE(4) DP_NP_CASE(3) DP_NP_CASE(2) DP_NP_CASE(1) }
+        }
+    }
+    free(pad);
+    return 0;
+}
+#endif
+"""  # noqa: E501
+
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #57ef551f
-CPU_GEMM_SRC = C_PRELUDE + _TILE_SRC + _DRIVER_SRC
+CPU_GEMM_SRC = C_PRELUDE + _TILE_SRC + _DRIVER_SRC + _DP_SRC
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #e3dfd921
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -127,8 +195,10 @@ def load_cpu_gemm_lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for suf in _SUFFIX.values():
-        fn = getattr(lib, f"gemm_{suf}")
+    for name in [*(f"gemm_{suf}" for suf in _SUFFIX.values()), "gemm_bf16_dp"]:
+        if not hasattr(lib, name):
+            continue  # gemm_bf16_dp exists only where the compiler targets AVX512-BF16
+        fn = getattr(lib, name)
         fn.restype, fn.argtypes = INT, [P, I64, I64, I64, P, I64, P, P, INT]
     return lib
 
@@ -227,7 +297,7 @@ def _launch(
         bias_ptr = None if bias is None else bias.data_ptr()
         rc = launch(fn, x2.data_ptr(), M, K, x2.stride(0), packed_ptr, n, bias_ptr, out.data_ptr(), threads)
         if rc != 0:
-            raise MemoryError(f"cpu_gemm: could not allocate the float32 copy of x ({M}x{K})")
+            raise MemoryError(f"cpu_gemm: could not allocate the copy of x ({M}x{K})")
     return out if x2 is x else out.view(*x.shape[:-1], n)
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #031ba63d
@@ -254,6 +324,85 @@ def make_cpu_gemm_linear(weight: torch.Tensor):
             )
         ):
             return cpu_gemm(x, packed, n, bias)  # raises the full error
+        return _launch(fn, x, K, packed_ptr, n, bias)
+
+    linear.packed = packed
+    return linear
+
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #17cac7f7
+def pack_weight_bf16_dp(weight: torch.Tensor) -> torch.Tensor:
+    """Repack a bfloat16 linear weight (N, K) by pairs of k: (ceil(N/16), ceil(K/2), 16, 2), zero-padded,
+    element [j, kp, c, i] = W[16 j + c, 2 kp + i]. Raises `ValueError` for another dtype, rank or device.
+    Source: minivllm's own (the operand layout of AVX512-BF16's `vdpbf16ps`; the role of vLLM v0.15
+    `dispatch_cpu_unquantized_gemm`'s packing at load)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(
+            f"pack_weight_bf16_dp: need a 2-D bfloat16 CPU weight; got {tuple(weight.shape)} {weight.dtype} "
+            f"on {weight.device}"
+        )
+    N, K = weight.shape
+    nb, k2 = -(-N // 16), -(-K // 2)
+    padded = torch.zeros(nb * 16, k2 * 2, dtype=torch.bfloat16)
+    padded[:N, :K] = weight.detach()
+    return padded.view(nb, 16, k2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def cpu_gemm_bf16_dp_available() -> bool:
+    """True when the library has `gemm_bf16_dp` (built for AVX512-BF16) and `cpu_flags()` shows
+    `avx512_bf16` (a `MINIVLLM_CPU_FLAGS` override can hide it; read at each call)."""
+    lib = load_cpu_gemm_lib()
+    return lib is not None and hasattr(lib, "gemm_bf16_dp") and "avx512_bf16" in cpu_flags()
+
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #022c6de1
+def cpu_gemm_bf16_dp(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """x @ W.T + bias with W given as `pack_weight_bf16_dp(W)`: x (..., K) bfloat16 -> (..., n) bfloat16,
+    products by `vdpbf16ps` into float32, rounded once after the bias. packed: contiguous (ceil(n/16),
+    ceil(K/2), 16, 2) bfloat16; bias: (n,) bfloat16 or None. Raises `RuntimeError` where the kernel is not
+    available (`cpu_gemm_bf16_dp_available`), `ValueError` for a mismatch (the field named), `MemoryError`
+    if the padded copy of x (odd K) cannot be allocated. Source: minivllm's own."""
+    if not cpu_gemm_bf16_dp_available():
+        raise RuntimeError("cpu_gemm_bf16_dp: needs AVX512-BF16 (cpu_flags() and the built library)")
+    K = x.shape[-1]
+    shape = (-(-n // 16), -(-K // 2), 16, 2)
+    problem = None
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
+        problem = f"x and packed must be bfloat16; got {x.dtype} and {packed.dtype}"
+    elif x.device.type != "cpu" or packed.device.type != "cpu":
+        problem = f"x and packed must be on the CPU; got {x.device} and {packed.device}"
+    elif tuple(packed.shape) != shape or not packed.is_contiguous():
+        problem = f"packed must be contiguous {shape} for n={n}, x width K={K}"
+    elif bias is not None and (
+        bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+    ):
+        problem = f"bias must be ({n},) bfloat16 contiguous; got {tuple(bias.shape)} {bias.dtype}"
+    if problem is not None:
+        raise ValueError(f"cpu_gemm_bf16_dp: {problem}; got x {tuple(x.shape)}, packed {tuple(packed.shape)}")
+    return _launch(load_cpu_gemm_lib().gemm_bf16_dp, x, K, packed.data_ptr(), n, bias, num_threads)
+
+
+def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor):
+    """Pack bfloat16 `weight` (N, K) by pairs once and return `linear(x, bias=None)`, the per-layer closure
+    (as `make_cpu_gemm_linear`); `linear.packed` is the packed tensor. Raises like `pack_weight_bf16_dp`,
+    and `RuntimeError` where the kernel is not available. Source: minivllm's own."""
+    if not cpu_gemm_bf16_dp_available():
+        raise RuntimeError("make_cpu_gemm_bf16_dp_linear: needs AVX512-BF16 (cpu_flags() and the library)")
+    packed = pack_weight_bf16_dp(weight)
+    n, K = weight.shape
+    fn = load_cpu_gemm_lib().gemm_bf16_dp
+    packed_ptr = packed.data_ptr()
+
+    def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        fits = x.dtype == torch.bfloat16 and x.shape[-1] == K and x.device.type == "cpu"
+        if not fits or (
+            bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or bias.stride(0) != 1)
+        ):
+            return cpu_gemm_bf16_dp(x, packed, n, bias)  # raises the full error
         return _launch(fn, x, K, packed_ptr, n, bias)
 
     linear.packed = packed

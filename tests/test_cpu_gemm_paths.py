@@ -1,7 +1,8 @@
 """Every CPU GEMM path, on whatever CPU runs the tests: graphs on == graphs off == transformers.
 
 Which kernel multiplies a CPU linear depends on the CPU (kernels chapter 04, chapter 30b): the C GEMM
-(`cpu_gemm`, AVX2 + FMA), oneDNN's packed weights (`onednn`, the default on AVX-512 CPUs; opaque mkldnn
+(`cpu_gemm`, AVX2 + FMA), its bfloat16 pairs kernel (`cpu_gemm_bf16_dp`, AVX512-BF16; chosen only by
+measurement, forced below), oneDNN's packed weights (`onednn`, the default on AVX-512 CPUs; opaque mkldnn
 tensors, which once killed CPU-graph capture), or plain `F.linear`. `MINIVLLM_CPU_GEMM=1` forces the C GEMM,
 `MINIVLLM_CPU_GEMM=0` leaves oneDNN, adding `MINIVLLM_CPU_ONEDNN_GEMM=0` leaves `F.linear`, so each path runs
 here whatever the CPU would pick by default; a path this CPU cannot execute is skipped with the reason. The
@@ -198,6 +199,36 @@ def test_kernel_per_row_bucket_graphs_equal_eager_and_transformers(tiny, monkeyp
     assert graphs == hf_greedy(tiny, prompts, max_tokens)
 
 
+# The bfloat16 pairs kernel (kernels chapter 04, `vdpbf16ps`) is only ever chosen by measurement; forced here
+# for every bucket so that it runs whatever this CPU measures: graphs == eager, the LM head included, and with
+# AVX512-BF16 hidden the same table cannot be packed and falls back to F.linear (never an instruction the
+# CPU view lacks).
+def test_bf16_pairs_kernel_graphs_equal_eager(tiny, monkeypatch):
+    from kernels.cpu_gemm import cpu_gemm_bf16_dp_available
+    from minivllm.model_executor.layers import linear
+    if not cpu_gemm_bf16_dp_available():
+        pytest.skip("the bfloat16 pairs kernel needs AVX512-BF16 (avx512_bf16), which this CPU lacks")
+    set_path(monkeypatch, "onednn")
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM")
+    table = ("cpu_gemm_bf16_dp",) * 4
+    monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: table)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 21, 8, 13)]
+    max_tokens = [10, 5, 8, 7]
+    llm = LLM(tiny, dtype="bfloat16", **ENGINE)
+    assert linear_kinds(llm) == {"cpu_gemm_bf16_dp"}
+    before = replays(llm)
+    graphs = greedy(llm, prompts, max_tokens)
+    assert replays(llm) - before >= 6
+    eager_llm = LLM(tiny, dtype="bfloat16", enforce_eager=True, **ENGINE)
+    assert linear_kinds(eager_llm) == {"cpu_gemm_bf16_dp"}
+    assert graphs == greedy(eager_llm, prompts, max_tokens)
+    monkeypatch.setenv("MINIVLLM_CPU_FLAGS", "avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+    assert not cpu_gemm_bf16_dp_available()
+    hidden = LLM(tiny, dtype="bfloat16", enforce_eager=True, **ENGINE)
+    assert linear_kinds(hidden) == {None}  # F.linear
+
+
 def test_cpu_linear_dispatches_on_the_rows_of_each_call(monkeypatch):
     from minivllm.model_executor.layers import linear
     from minivllm.model_executor.layers.utils import cpu_gemm_candidates
@@ -236,6 +267,9 @@ def test_measured_choice_under_each_cpu_view_stays_runnable(monkeypatch, tmp_pat
     monkeypatch.setattr(utils, "_CHOICES", {})
     allowed = {"sse2": ({"onednn", "F.linear"}, {"F.linear"}), "avx2,fma": ({"cpu_gemm", "onednn", "F.linear"},
                                                                             {"cpu_gemm", "F.linear"})}
+    if "avx512_bf16" in cpu_flags():  # the pairs kernel may win bfloat16 buckets only where the view shows it
+        allowed["avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512_bf16"] = (
+            {"cpu_gemm", "onednn", "F.linear"}, {"cpu_gemm", "cpu_gemm_bf16_dp", "onednn", "F.linear"})
     for flags, (f32, bf16) in allowed.items():
         monkeypatch.setenv("MINIVLLM_CPU_FLAGS", flags)
         for dtype, ok in ((torch.float32, f32), (torch.bfloat16, bf16)):

@@ -29,7 +29,7 @@ __all__ = ['logger', 'CPU_GEMM_BUCKET_ROWS', 'CPU_GEMM_MARGIN', 'CPU_GEMM_RUNS',
 CPU_GEMM_BUCKET_ROWS = (1, 4, 16, 64)  # the row count each bucket is timed at (its upper end; 64 for 17+)
 CPU_GEMM_MARGIN = 0.10  # a kernel must be this much faster than the flag policy's to replace it
 CPU_GEMM_RUNS = 3  # processes that measure a shape (their best times kept) before its choice is final
-CPU_GEMM_KINDS = ("cpu_gemm", "onednn", "F.linear")
+CPU_GEMM_KINDS = ("cpu_gemm", "onednn", "F.linear", "cpu_gemm_bf16_dp")
 
 
 def m_bucket(rows: int) -> int:
@@ -47,16 +47,24 @@ def cpu_gemm_tuning_enabled() -> bool:
 # %% ../../../nbs/30d_layer_utils.ipynb #2f52c240
 def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str, Callable]:
     """`kind -> linear(x, bias)` for each of `kinds` this CPU can run on `weight` (N, K): "cpu_gemm" (C
-    GEMM panels; AVX2 + FMA, float32 / bfloat16), "onednn" (oneDNN's packed weight), "F.linear" (always).
+    GEMM panels; AVX2 + FMA, float32 / bfloat16), "cpu_gemm_bf16_dp" (C pairs kernel; bfloat16 with
+    AVX512-BF16), "onednn" (oneDNN's packed weight), "F.linear" (always).
     x: (..., K) in the weight's dtype -> (..., N). Source: minivllm's own (the kernels vLLM v0.15
     `dispatch_cpu_unquantized_gemm` picks between)."""
-    from kernels.cpu_gemm import load_cpu_gemm_lib, make_cpu_gemm_linear
+    from kernels.cpu_gemm import (
+        cpu_gemm_bf16_dp_available,
+        load_cpu_gemm_lib,
+        make_cpu_gemm_bf16_dp_linear,
+        make_cpu_gemm_linear,
+    )
     from minivllm.model_executor.layers.linear import _onednn_pack  # (linear imports this module)
 
     out: dict[str, Callable] = {}
     if "cpu_gemm" in kinds and weight.dtype in (torch.float32, torch.bfloat16):
         if {"avx2", "fma"} <= cpu_flags() and load_cpu_gemm_lib() is not None:
             out["cpu_gemm"] = make_cpu_gemm_linear(weight)
+    if "cpu_gemm_bf16_dp" in kinds and weight.dtype == torch.bfloat16 and cpu_gemm_bf16_dp_available():
+        out["cpu_gemm_bf16_dp"] = make_cpu_gemm_bf16_dp_linear(weight)
     if "onednn" in kinds:
         packed = _onednn_pack(weight)
         if packed is not None:
@@ -132,10 +140,11 @@ def pick_kinds(times: dict[str, list[float]], default: str) -> tuple[str, ...]:
 # %% ../../../nbs/30d_layer_utils.ipynb #698d0849
 def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
     """True when this process can run GEMM `kind` on CPU weight (N, K): "F.linear" always; "cpu_gemm" for a
-    float32 / bfloat16 weight with AVX2 + FMA in view and the C library built; "onednn" where chapter 30b's
+    float32 / bfloat16 weight with AVX2 + FMA in view and the C library built; "cpu_gemm_bf16_dp" for a
+    bfloat16 weight where `kernels.cpu_gemm.cpu_gemm_bf16_dp_available()`; "onednn" where chapter 30b's
     `_onednn_pack` would pack it (oneDNN present, `MINIVLLM_CPU_ONEDNN_GEMM` not 0, float32, or bfloat16
     with oneDNN's bfloat16 flags). Packs nothing. Raises nothing for an unknown kind (False)."""
-    from kernels.cpu_gemm import load_cpu_gemm_lib
+    from kernels.cpu_gemm import cpu_gemm_bf16_dp_available, load_cpu_gemm_lib
     from minivllm.model_executor.layers.linear import _onednn_bf16_supported
 
     if kind == "F.linear":
@@ -144,6 +153,8 @@ def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
         return False
     if kind == "cpu_gemm":
         return {"avx2", "fma"} <= cpu_flags() and load_cpu_gemm_lib() is not None
+    if kind == "cpu_gemm_bf16_dp":
+        return weight.dtype == torch.bfloat16 and cpu_gemm_bf16_dp_available()
     if kind == "onednn":
         return (
             os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1") != "0"
@@ -169,8 +180,9 @@ _CHOICES: dict[tuple, tuple[str, ...]] = {}
 
 def cpu_gemm_cache_path():
     """The JSON file of measured choices for this CPU model, the flags in view, the thread count, the torch
-    version, `MINIVLLM_CPU_ONEDNN_GEMM`, whether a C compiler is present and the timing method (cold caches):
-    `<kernel_cache_dir()>/../gemm/choices-<hash>.json` (`MINIVLLM_CACHE_DIR` moves it)."""
+    version, `MINIVLLM_CPU_ONEDNN_GEMM`, whether a C compiler is present, the timing method (cold caches)
+    and the kinds timed: `<kernel_cache_dir()>/../gemm/choices-<hash>.json` (`MINIVLLM_CACHE_DIR` moves
+    it)."""
     key = "\0".join(
         [
             _cpu_model(),
@@ -180,6 +192,7 @@ def cpu_gemm_cache_path():
             "onednn_gemm=" + os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1"),
             "cc=" + str(find_c_compiler() is not None),
             "timing=cold",  # tables timed hot (before `evict_cpu_caches`) are not read
+            "kinds=" + ",".join(CPU_GEMM_KINDS),  # a table measured before a kind existed is measured again
         ]
     )
     return (
@@ -241,7 +254,7 @@ def _machine_was_quiet() -> bool:
 
 
 def select_cpu_gemm_kinds(weight: torch.Tensor, default: str) -> tuple[str, ...]:
-    """The GEMM kind ("cpu_gemm", "onednn" or "F.linear") for each row bucket of `m_bucket`, for a CPU weight
+    """The GEMM kind (one of `CPU_GEMM_KINDS`) for each row bucket of `m_bucket`, for a CPU weight
     (N, K) of its dtype, from `time_cpu_gemm` on this weight: `default` (the flag policy's kind) unless
     another is `CPU_GEMM_MARGIN` faster. A shape is measured once per process, at each of the first
     `CPU_GEMM_RUNS` processes on this machine that measured on quiet cores (1-minute load average at most
