@@ -18,7 +18,22 @@ from .core_client import EngineCoreClient
 from .core_client_mp import AsyncMPClient
 
 # %% auto #0
-__all__ = ['DPLBAsyncMPClient']
+__all__ = ['dp_engine_config', 'DPLBAsyncMPClient']
+
+# %% ../../../nbs/29g_core_client_dp.ipynb #8b3c51e2
+def dp_engine_config(vllm_config: VllmConfig, index: int) -> VllmConfig:
+    """Data-parallel engine `index`'s deep copy of `vllm_config`: the KV and EC connectors' `engine_id` end in
+    `_dp<index>` and `kv_transfer_config.kv_port` is moved by `index * tensor_parallel_size`.
+    Source: vLLM v0.15 v1/engine/core.py `EngineCoreProc.run_engine_core` (the engine_id suffix)."""
+    cfg = copy.deepcopy(vllm_config)
+    kvt = getattr(cfg, "kv_transfer_config", None)
+    if kvt is not None:
+        kvt.engine_id = f"{kvt.engine_id}_dp{index}"
+        kvt.kv_port += index * cfg.parallel_config.tensor_parallel_size
+    ect = getattr(cfg, "ec_transfer_config", None)
+    if ect is not None:
+        ect.engine_id = f"{ect.engine_id}_dp{index}"
+    return cfg
 
 # %% ../../../nbs/29g_core_client_dp.ipynb #7e44e907
 class DPLBAsyncMPClient(EngineCoreClient):
@@ -35,9 +50,11 @@ class DPLBAsyncMPClient(EngineCoreClient):
             raise ValueError(f"data_parallel_size must be >= 1; got {data_parallel_size}")
         self.vllm_config = vllm_config
         self.clients: list[AsyncMPClient] = []
+        self._tasks: list[asyncio.Task] = []  # before the start-ups: a failed one runs shutdown()
         try:
-            for _ in range(data_parallel_size):  # one after the other: each start-up handshake blocks
-                self.clients.append(AsyncMPClient(copy.deepcopy(vllm_config), executor_class, log_stats))
+            for i in range(data_parallel_size):  # one after the other: each start-up handshake blocks
+                engine_config = dp_engine_config(vllm_config, i)
+                self.clients.append(AsyncMPClient(engine_config, executor_class, log_stats))
         except BaseException:
             self.shutdown()
             raise
@@ -47,7 +64,6 @@ class DPLBAsyncMPClient(EngineCoreClient):
         self.requests_per_engine = [0] * data_parallel_size
         self._next = itertools.cycle(range(data_parallel_size))
         self.outputs_queue: asyncio.Queue | None = None
-        self._tasks: list[asyncio.Task] = []
 
     @staticmethod
     def make(

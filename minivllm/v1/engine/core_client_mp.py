@@ -444,14 +444,15 @@ class AsyncMPClient(MPClient):
     "asyncio client of an engine-core process. Source: vLLM v0.15 v1/engine/core_client.py `AsyncMPClient`."
 
     def __init__(self, vllm_config: VllmConfig, executor_class: type, log_stats: bool):
+        # before the start-up: a failed one runs shutdown() inside super().__init__, which reads them
+        self.outputs_queue: asyncio.Queue | None = None
+        self.queue_task: asyncio.Task | None = None
         super().__init__(True, vllm_config, executor_class, log_stats)
         # the ROUTER that did the handshake already knows the engine's identity: shadow it with an asyncio
         # socket
         self.input_socket = zmq.asyncio.Socket(self._sync_input)
         self.output_socket = make_zmq_socket(self.ctx, self.output_address, zmq.PULL, bind=True)
         self.resources.sockets.append(self.output_socket)
-        self.outputs_queue: asyncio.Queue | None = None
-        self.queue_task: asyncio.Task | None = None
 
     def shutdown(self) -> None:
         if self.queue_task is not None and not self.queue_task.done():

@@ -61,11 +61,13 @@ class ChunkLoad:
 
 @dataclass
 class ChunkSave:
-    "Store the KV held by `block_ids` (the whole chunk, in order) as chunk `chunk_hash`."
+    """Store the KV held by `block_ids` (the whole chunk, in order) as chunk `chunk_hash`; with `overwrite`
+    even where the store has it (a chunk computed again after a failed load)."""
 
     req_id: str
     chunk_hash: str
     block_ids: list[int]
+    overwrite: bool = False
 
 
 @dataclass
@@ -83,6 +85,7 @@ class _LMCacheReqState:
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     num_saved_chunks: int = 0  # chunks [0, n) are stored, loaded or queued for saving
+    num_redo_chunks: int = 0  # chunks [0, n) are computed again after a failed load: saved with overwrite
 
 
 class LMCacheConnectorV1Scheduler:
@@ -144,12 +147,25 @@ def build_connector_meta(
     bs = self.block_size
     for req_id, before in computed.items():
         st = self._reqs[req_id]
+        _rewind(st, before)
         done = min(before + scheduler_output.num_scheduled_tokens.get(req_id, 0), st.num_prompt_tokens)
         while st.num_saved_chunks < len(st.chunks) and st.chunks[st.num_saved_chunks][1] <= done:
             start, end, chunk_hash = st.chunks[st.num_saved_chunks]
-            meta.saves.append(ChunkSave(req_id, chunk_hash, st.block_ids[start // bs : end // bs]))
+            redo = st.num_saved_chunks < st.num_redo_chunks
+            meta.saves.append(ChunkSave(req_id, chunk_hash, st.block_ids[start // bs : end // bs], redo))
             st.num_saved_chunks += 1
     return meta
+
+
+def _rewind(st: _LMCacheReqState, num_computed: int) -> None:
+    """A request rolled back to `num_computed` tokens (a failed load, a preemption) computes its chunks past
+    it again: they are saved again, over what the store holds (another rank may have stored KV computed on
+    this rank's failed load)."""
+    n = st.num_saved_chunks
+    while st.num_saved_chunks and st.chunks[st.num_saved_chunks - 1][1] > num_computed:
+        st.num_saved_chunks -= 1
+    if st.num_saved_chunks < n:
+        st.num_redo_chunks = max(st.num_redo_chunks, n)
 
 
 @patch
@@ -181,6 +197,7 @@ class LMCacheConnectorV1Worker:
         self._saves: list[ChunkSave] = []
         self._pieces: dict[str, dict[str, torch.Tensor]] = {}
         self._invalid_block_ids: set[int] = set()
+        self._failed_reqs: set[str] = set()  # requests with a failed load this step (synchronous mode)
         self._stats: dict[str, int] = {}  # this step's counts, for kv_connector_stats
         self.layerwise = config.use_layerwise
         self.blocking_timeout_secs = config.blocking_timeout_secs
@@ -215,6 +232,7 @@ class LMCacheConnectorV1Worker:
         if self.layerwise:
             self._start_layerwise(meta)
             return
+        self._failed_reqs = set()
         for load in meta.loads:
             kv = self._fetch(load)
             ok = kv is not None
@@ -222,10 +240,19 @@ class LMCacheConnectorV1Worker:
                 self._record("load", i)
                 ok = ok and self._copy_layer(load, kv, i)
             self._count_load(load, ok)
+            if not ok:
+                self._failed_reqs.add(load.req_id)
         self._saves = self._unsaved(meta.saves)
 
     def _unsaved(self, saves: list[ChunkSave]) -> list[ChunkSave]:
-        return [s for s in saves if self.storage.contains(self.key(s.chunk_hash)) is None]
+        return [s for s in saves if s.overwrite or self.storage.contains(self.key(s.chunk_hash)) is None]
+
+    def _failed_load_reqs(self) -> set[str]:
+        "This step's requests whose load failed: their KV past it was computed on whatever the blocks held."
+        if not self.layerwise:
+            return self._failed_reqs
+        job = self._load_job
+        return set() if job is None else {job.loads[j].req_id for j in set(job.failed)}
 
 # %% ../../../../../nbs/48c_lmcache_connector.ipynb #ab6f57ea
 @patch
@@ -308,10 +335,11 @@ def wait_for_save(self: LMCacheConnectorV1Worker) -> None:
         self._saves = []
         self._pieces = {}
         return
+    failed = self._failed_load_reqs()
     for save in self._saves:
         layers = self._pieces.get(save.chunk_hash, {})
-        if set(layers) != set(self.kv_caches):
-            continue  # some layers did not run: nothing trustworthy to store
+        if set(layers) != set(self.kv_caches) or save.req_id in failed:
+            continue  # some layers did not run, or ran on a failed load: nothing trustworthy to store
         kv = torch.stack([layers[name] for name in self.kv_caches])  # (L, 2, n, block_size, Hkv, D)
         num_layers, _, n, bs, hkv, d = kv.shape
         self.storage.put(self.key(save.chunk_hash), kv.reshape(num_layers, 2, n * bs, hkv, d))

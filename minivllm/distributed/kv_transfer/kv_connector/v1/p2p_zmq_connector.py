@@ -38,7 +38,9 @@ __all__ = ['logger', 'RecvReqMeta', 'P2pZmqConnectorMetadata', 'P2pZmqConnectorS
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #f2fbdef3
 @dataclass
 class RecvReqMeta:
-    """One pull: `local_block_ids[i]` receives the producer's `remote_block_ids[i]`."""
+    """One pull: `local_block_ids[i]` receives the producer's `remote_block_ids[i]`. `remote_tp_size` is the
+    producer's tensor-parallel size when it differs from ours (0: the same): then nothing is read, and the
+    producer ranks this rank stands for hear `DONE`."""
 
     local_block_ids: list[int]
     remote_block_ids: list[int]
@@ -46,6 +48,7 @@ class RecvReqMeta:
     remote_engine_id: str
     remote_host: str
     remote_port: int
+    remote_tp_size: int = 0
 
 
 @dataclass
@@ -61,6 +64,7 @@ def _valid_remote_params(params: dict) -> bool:
     "The consumer-side keys have the types a pull needs (they come from a client: never trusted)."
     ids = params.get("remote_block_ids")
     port = params.get("remote_port")
+    tp_size = params.get("tp_size", 1)
     return (
         isinstance(ids, list)
         and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids)
@@ -70,6 +74,9 @@ def _valid_remote_params(params: dict) -> bool:
         and isinstance(params.get("remote_host", "127.0.0.1"), str)
         and isinstance(params.get("remote_request_id", ""), str)
         and isinstance(params.get("remote_engine_id", ""), str)
+        and isinstance(tp_size, int)
+        and not isinstance(tp_size, bool)
+        and 0 < tp_size <= 4096
     )
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #c03e2c57
@@ -83,6 +90,7 @@ class P2pZmqConnectorScheduler:
         self.host, self.port = kvt.kv_ip, kvt.kv_port
         self.is_producer = kvt.is_kv_producer  # only a producer (or kv_both) runs the KV server
         self.abort_timeout_s = float(kvt.get_from_extra_config("abort_timeout_s", 120.0))
+        self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         self._reqs_to_recv: dict[str, RecvReqMeta] = {}
         self._reqs_to_send: dict[str, tuple[list[int], float]] = {}
         self._recving: set[str] = set()  # pulls handed to the worker and not finished yet
@@ -99,6 +107,17 @@ class P2pZmqConnectorScheduler:
             )
             params["do_remote_prefill"] = False
             return 0, False
+        remote_tp_size = params.get("tp_size", self.tp_size)
+        if remote_tp_size != self.tp_size:  # each rank would read heads its peer rank does not hold
+            logger.warning(
+                "P2pZmqConnector: request %s comes from a producer at --tensor-parallel-size %d and this "
+                "engine runs --tensor-parallel-size %d; computing it here (start both with the same size)",
+                request.request_id,
+                remote_tp_size,
+                self.tp_size,
+            )
+            self._queue_recv(request, [], num_computed_tokens, remote_tp_size)  # the producer frees them
+            return 0, False
         count = max(0, request.num_prompt_tokens - num_computed_tokens)
         if count == 0:  # all local: still tell the producer it may free its blocks
             self._queue_recv(request, [], num_computed_tokens)
@@ -112,7 +131,9 @@ class P2pZmqConnectorScheduler:
         local_ids = blocks.get_block_ids()[0]
         self._queue_recv(request, local_ids, request.num_prompt_tokens - num_external_tokens)
 
-    def _queue_recv(self, request: Any, local_ids: list[int], num_local_tokens: int) -> None:
+    def _queue_recv(
+        self, request: Any, local_ids: list[int], num_local_tokens: int, remote_tp_size: int = 0
+    ) -> None:
         params = request.kv_transfer_params
         remote_ids = list(params.get("remote_block_ids") or [])
         first = num_local_tokens // self.block_size  # blocks before it came from the local prefix cache
@@ -123,6 +144,7 @@ class P2pZmqConnectorScheduler:
             params.get("remote_engine_id", ""),
             params.get("remote_host", "127.0.0.1"),
             int(params.get("remote_port", 0)),
+            remote_tp_size,
         )
         params["do_remote_prefill"] = False
 
@@ -164,6 +186,7 @@ def request_finished(
         "remote_engine_id": self.engine_id,
         "remote_host": self.host,
         "remote_port": self.port,
+        "tp_size": self.tp_size,  # rank r serves on remote_port + r
     }
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #906c3a43
@@ -200,6 +223,7 @@ class P2pZmqConnectorWorker:
         self.is_producer = kvt.is_kv_producer
         # one port per tensor-parallel rank: rank r serves (and a consumer's rank r pulls) its own KV heads
         self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         self.host, self.port = kvt.kv_ip, kvt.kv_port + self.tp_rank
         self.transfer_timeout_s = float(kvt.get_from_extra_config("transfer_timeout_s", 30.0))
         self.max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
@@ -462,6 +486,9 @@ def _on_event(self: P2pZmqConnectorWorker, sock: Any) -> None:
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #5a99d764
 @patch
 def _start_pull(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) -> None:
+    if recv.remote_tp_size:
+        self._release_ranks(req_id, recv)
+        return
     n = min(len(recv.local_block_ids), len(recv.remote_block_ids))
     pull = _Pull(req_id, recv, n, time.monotonic() + self.transfer_timeout_s)
     addr = f"tcp://{recv.remote_host}:{recv.remote_port + self.tp_rank}"  # the same rank of the producer
@@ -475,6 +502,23 @@ def _start_pull(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) -> 
         self._send(peer, pull, b"READ", block_ids=recv.remote_block_ids[:n])
     else:
         self._finish(peer, pull, 0, None if not recv.local_block_ids else "the producer holds no blocks")
+
+
+@patch
+def _release_ranks(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) -> None:
+    """Nothing to read from a producer of another tensor-parallel size: report the pull ended, and say DONE to
+    its ranks `tp_rank`, `tp_rank + tp_size`, ... (each producer rank hears it from one consumer rank)."""
+    pull = _Pull(req_id, recv, 0, time.monotonic() + self.transfer_timeout_s, phase="done")
+    self._report(pull, 0, None)
+    for rank in range(self.tp_rank, recv.remote_tp_size, self.tp_size):
+        addr = f"tcp://{recv.remote_host}:{recv.remote_port + rank}"
+        try:
+            peer = self._peers.get(addr) or self._open_peer(addr)
+        except zmq.ZMQError:
+            continue  # not an address: nothing to tell
+        done = _Pull(req_id, recv, 0, pull.deadline, phase="done")
+        peer.pulls[req_id] = done
+        self._send(peer, done, b"DONE")
 
 
 @patch
@@ -497,7 +541,8 @@ def _report(self: P2pZmqConnectorWorker, pull: _Pull, written: int, why: str | N
         self._count("p2p_failed_transfers")
         logger.warning(
             "P2pZmqConnector: pulling %s from %s:%s failed (%d of %d blocks): %s",
-            pull.req_id, recv.remote_host, recv.remote_port, len(missing), len(recv.local_block_ids), why,
+            pull.req_id, recv.remote_host, recv.remote_port + self.tp_rank,  # this rank's producer port
+            len(missing), len(recv.local_block_ids), why,
         )  # fmt: skip
     with self._lock:
         self._invalid.update(missing)

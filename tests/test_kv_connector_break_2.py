@@ -1,0 +1,280 @@
+"""A fourth try-to-break pass on the KV connectors (issue 30): the configurations the earlier passes did not
+attack, tensor and data parallel.
+
+1. An engine that fails to start under `AsyncLLM` (here a P2P producer whose `kv_port` is taken) raised
+   `AttributeError: 'AsyncMPClient' object has no attribute 'queue_task'` (its clean-up ran before the
+   attribute existed) instead of the engine's own error; with `--data-parallel-size 2`, `DPLBAsyncMPClient`
+   raised `AttributeError: ... '_tasks'` and left the first engine's process running.
+2. Data parallel copies one config to every engine: the same `kv_transfer_config.engine_id` and `kv_port`.
+   Two P2P producers bound the same port (DP=2 could not start) and two LMCache engines one lookup socket
+   (each scheduler asked whichever engine bound last). As vLLM v0.15 does, engine i's `engine_id` gets
+   `_dp<i>`, and its `kv_port` moves by i x `tensor_parallel_size`.
+3. LMCache: a chunk that failed to load was recomputed but not stored again (it counted as loaded), so the
+   next request with that prefix missed as well.
+4. P2P with the producer at `--tensor-parallel-size 2` and the consumer at 1: the consumer pulled rank 0's
+   heads only, refused them (layout), and the producer's rank 1 held the blocks until `abort_timeout_s`.
+   The producer's parameters carry `tp_size` (as vLLM's NIXL connector's); a consumer with another size
+   computes the prompt itself, warns naming `--tensor-parallel-size`, and releases every producer rank at once.
+"""
+
+import asyncio
+import glob
+import os
+import socket
+import tempfile
+import time
+
+import psutil
+import pytest
+from test_kv_connector_pd import _count_scheduled  # tests/ is on sys.path
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.engine.async_llm import AsyncLLM
+
+PROMPTS = [list(range(5, 5 + 37)), list(range(300, 300 + 20))]
+MAX_TOKENS = 4
+KW = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20,
+          enable_prefix_caching=False)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    llm = LLM(path, **KW)
+    try:
+        return path, _greedy(llm, PROMPTS)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _sp(params=None, max_tokens=MAX_TOKENS):
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+
+def _greedy(llm, prompts, params=None):
+    sps = [_sp(p) for p in params or [None] * len(prompts)]
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                         use_tqdm=False)]  # fmt: skip
+
+
+def _port_pair() -> int:
+    "A free port p of 127.0.0.1 with p + 1 free too (a TP=2 producer's two ranks)."
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            pass
+
+
+def _engine_children() -> list:
+    "Live (not zombie) child processes of this one, tests' helpers excluded (multiprocessing's tracker)."
+    out = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait_gone(before: set, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [c for c in _engine_children() if c.pid not in before]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+# ---- 1. a failed start raises the engine's error and stops every engine ----
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_failed_engine_start_raises_its_own_error(llama, dp):
+    before = {c.pid for c in _engine_children()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        if dp == 2:  # engine 0 starts (on port - 1, a free one), engine 1 finds its port taken
+            port -= 1
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                pytest.skip("the port below a free one is taken")
+        kvt = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port}
+        args = EngineArgs(model=llama[0], data_parallel_size=dp, kv_transfer_config=kvt, **KW)
+        with pytest.raises(RuntimeError, match="Address already in use"):  # before: AttributeError
+            AsyncLLM.from_engine_args(args, enable_multiprocessing=True)
+    assert _wait_gone(before) == []  # before (dp=2): engine 0 kept running
+
+
+# ---- 2. data parallel: each engine its own engine_id and kv_port ----
+
+
+def test_dp2_p2p_producers_serve_on_their_own_ports(llama):
+    path, expected = llama
+    port = _port_pair()
+    kvt = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port}
+    prod = AsyncLLM.from_engine_args(  # before: engine 1's bind failed, "Address already in use"
+        EngineArgs(model=path, data_parallel_size=2, kv_transfer_config=kvt, **KW), enable_multiprocessing=True
+    )
+    cons = LLM(path, **KW, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                                               "kv_connector_extra_config": {"transfer_timeout_s": 10}})  # fmt: skip
+    loop = asyncio.new_event_loop()
+
+    async def prefill(i, prompt):
+        last = None
+        async for out in prod.generate({"prompt_token_ids": prompt}, _sp({"do_remote_decode": True}, 1), f"p{i}"):
+            last = out
+        return last.kv_transfer_params
+
+    try:
+        ids = {c.vllm_config.kv_transfer_config.engine_id for c in prod.engine_core.clients}
+        assert len(ids) == 2
+        async def both():
+            return await asyncio.gather(*(prefill(i, p) for i, p in enumerate(PROMPTS)))
+
+        params = loop.run_until_complete(both())
+        assert prod.engine_core.requests_per_engine == [1, 1]
+        assert sorted(p["remote_port"] for p in params) == [port, port + 1]
+        counts = _count_scheduled(cons)
+        got = [_greedy(cons, [p], [pp])[0] for p, pp in zip(PROMPTS, params)]
+        assert got == expected
+        assert sum(counts) == len(PROMPTS) * MAX_TOKENS  # pulled: only each prompt's last token computed
+    finally:
+        prod.shutdown()
+        loop.close()
+        cons.llm_engine.shutdown()
+
+
+def test_dp2_lmcache_engines_have_their_own_lookup_sockets(llama):
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
+        get_zmq_rpc_path_lmcache,
+    )
+
+    kvt = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"chunk_size": 16, "max_local_cpu_size": 0.01}}  # fmt: skip
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model=llama[0], data_parallel_size=2, kv_transfer_config=kvt, **KW), enable_multiprocessing=True
+    )
+    try:
+        ids = [c.vllm_config.kv_transfer_config.engine_id for c in llm.engine_core.clients]
+        paths = [get_zmq_rpc_path_lmcache(e, 0).removeprefix("ipc://") for e in ids]
+        assert len(set(paths)) == 2 and all(os.path.exists(p) for p in paths)  # before: one socket for both
+    finally:
+        llm.shutdown()
+
+
+# ---- 3. LMCache: a chunk that failed to load is stored again by its recomputation ----
+
+
+def test_lmcache_failed_chunk_is_stored_again(llama, tmp_path):
+    path, expected = llama
+    kvt = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"chunk_size": 16, "local_cpu": False, "local_disk": str(tmp_path),
+                                         "max_local_disk_size": 0.01}}  # fmt: skip
+    computed = []
+    for round_ in range(4):  # cold, warm, damaged (recomputed), warm again
+        if round_ == 2:
+            for f in tmp_path.glob("*.kvchunk"):
+                raw = bytearray(f.read_bytes())
+                raw[-3] ^= 0x10
+                f.write_bytes(bytes(raw))
+        llm = LLM(path, **KW, kv_transfer_config=kvt)
+        counts = _count_scheduled(llm)
+        try:
+            assert _greedy(llm, PROMPTS) == expected
+        finally:
+            llm.llm_engine.shutdown()
+        computed.append(sum(counts))
+    cold, warm, damaged, again = computed
+    assert warm < cold and damaged > warm
+    assert again == warm  # before: == cold, the recomputed chunks had not been stored
+
+
+# ---- 4. P2P between different tensor-parallel sizes ----
+
+
+@pytest.mark.parametrize("prod_tp,cons_tp", [(2, 1), (1, 2)])
+def test_p2p_tp_mismatch_recomputes_and_frees_at_once(llama, prod_tp, cons_tp, caplog):
+    path, expected = llama
+    port = _port_pair()
+    prod = LLM(path, tensor_parallel_size=prod_tp, **KW,
+               kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port,
+                                   "kv_connector_extra_config": {"abort_timeout_s": 120}})  # fmt: skip
+    cons = LLM(path, tensor_parallel_size=cons_tp, **KW,
+               kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                                   "kv_connector_extra_config": {"transfer_timeout_s": 10}})  # fmt: skip
+    try:
+        pool = prod.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        all_free = pool.get_num_free_blocks()
+        params = []
+        for p in PROMPTS:
+            out = prod.generate([{"prompt_token_ids": p}], _sp({"do_remote_decode": True}, 1), use_tqdm=False)[0]
+            params.append(out.kv_transfer_params)
+            prod.llm_engine.step()  # registers the blocks with the producer's server
+        got = [_greedy(cons, [p], [pp])[0] for p, pp in zip(PROMPTS, params)]
+        assert got == expected  # computed by the consumer
+        deadline = time.monotonic() + 10  # before: rank 1's blocks held for abort_timeout_s (120 s)
+        while pool.get_num_free_blocks() < all_free and time.monotonic() < deadline:
+            prod.llm_engine.step()
+            time.sleep(0.01)
+        assert pool.get_num_free_blocks() == all_free
+        assert "--tensor-parallel-size" in caplog.text
+        assert all(pp["tp_size"] == prod_tp for pp in params)  # as vLLM's NIXL connector's parameters
+    finally:
+        prod.llm_engine.shutdown()
+        cons.llm_engine.shutdown()
+
+
+# ---- 5. a damaged stored block must not poison the blocks computed after it ----
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "LMCacheConnectorV1"])
+def test_a_failed_load_stores_nothing_computed_on_it(llama, tmp_path, connector):
+    """A prompt whose first block loads from a damaged entry computes its later blocks in the same step, on
+    whatever the failed block held. Those blocks were stored, and every later request with the prefix loaded
+    them: other tokens than one instance's, silently (both connectors; at TP=2 with only rank 1's entry
+    damaged too). A request's saves in the step of its failed load are dropped."""
+    path = llama[0]
+    first = list(range(5, 5 + 20))  # stores its one full block
+    longer = first[:16] + list(range(400, 400 + 40))  # the same first block, then two more
+    ref = LLM(path, **KW)
+    want = _greedy(ref, [longer])
+    ref.llm_engine.shutdown()
+    if connector == "ExampleConnector":
+        extra, pattern = {"shared_storage_path": str(tmp_path)}, "*.safetensors"
+    else:
+        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(tmp_path), "max_local_disk_size": 0.01}
+        pattern = "*.kvchunk"
+    kvt = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    llm = LLM(path, **KW, kv_transfer_config=kvt)
+    _greedy(llm, [first])
+    llm.llm_engine.shutdown()
+    (stored,) = tmp_path.glob(pattern)
+    raw = bytearray(stored.read_bytes())
+    raw[-3] ^= 0x10  # one bit of the stored block flipped on the disk
+    stored.write_bytes(bytes(raw))
+    got = []
+    for _ in range(3):  # the damaged load (recomputed), then two runs that load what was stored
+        llm = LLM(path, **KW, kv_transfer_config=kvt)
+        try:
+            got += _greedy(llm, [longer])
+        finally:
+            llm.llm_engine.shutdown()
+    assert got == want * 3  # before: the later runs loaded blocks computed on the damaged one
