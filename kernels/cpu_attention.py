@@ -338,6 +338,329 @@ DEFINE_DRIVER(paged_attention_bf16_dp, bf16_t, attend_bf16_dp, merge_bf16, bf16_
 #endif
 """  # noqa: E501
 
+# %% ../nbs/kernels/02_cpu_attention.ipynb #8f8d27dd
+_AVX512_HELPERS_SRC = r"""#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+/* Sixteen vectors of partial sums -> one vector whose lane i is the total of a[i]: in-lane unpacks and adds,
+   then a 4x4 transpose of 128-bit lanes. A fixed order: the same sums on every call. */
+static inline __m512 hsum16(const __m512* a) {
+    __m512 b[8], c[4];
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+        c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xdd));
+}
+static inline __mmask16 tail16(int j, int n) { return n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1); }
+/* Sixteen elements as float32 (lanes outside mask m are 0 and not read). */
+static inline __m512 load16_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16_bf16(const bf16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+/* bf16_store on sixteen lanes (round to nearest even, NaN stays NaN: the scalar one's bits), in the low half
+   of each 32-bit lane; then the rounded floats, and the stores. */
+static inline __m512i bf16_bits16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), hi, _mm512_set1_epi32(0x40));
+}
+static inline __m512 round16_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16)); }
+static inline __m512 round16_f32(__m512 x) { return x; }
+static inline void store16_f32(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store16_bf16(bf16_t* p, __m512 x) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits16(x)));
+}
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #73371996
+_AVX512_SOFTMAX_SRC = r"""/* exp_nonpos on sixteen lanes: the same reduction and polynomial. */
+static inline __m512 exp16_nonpos(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    const __m512 xc = _mm512_mask_mov_ps(x, under, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f)); p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f)); p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mask_mov_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e)), under, _mm512_setzero_ps());
+}
+/* One head's n scores sh in place -> the softmax numerators e_j = exp(s_j - m), rounded by ROUND16 (to bfloat16
+   for 16-bit models, as ROUND_P); max m and the sum l of the unrounded e_j. pb (if not NULL): the rounded
+   weights as bfloat16 too, with a 0 after the last (pairs for the two-key P.V). */
+#define DEFINE_SOFTMAX16(NAME, ROUND16)                                                                     \
+static void NAME(float* sh, int n, float soft_cap, bf16_t* pb, float* m_out, float* l_out) {                \
+    if (soft_cap > 0.f) for (int j = 0; j < n; j++) sh[j] = soft_cap * tanhf(sh[j] / soft_cap);            \
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();                                       \
+    for (int j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail16(j, n), sh + j));   \
+    const float m = _mm512_reduce_max_ps(mx);                                                               \
+    for (int j = 0; j < n; j += 16) {                                                                       \
+        const __mmask16 k = tail16(j, n);                                                                   \
+        const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + j), _mm512_set1_ps(m)));   \
+        const __m512 er = ROUND16(e);                                                                       \
+        sum = _mm512_mask_add_ps(sum, k, sum, e);                                                           \
+        _mm512_mask_storeu_ps(sh + j, k, er);                                                               \
+        if (pb) _mm256_mask_storeu_epi16(pb + j, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(er), 16))); \
+    }                                                                                                       \
+    if (pb) pb[n] = 0;                                                                                      \
+    *m_out = m; *l_out = _mm512_reduce_add_ps(sum);                                                         \
+}
+DEFINE_SOFTMAX16(softmax16_f32, round16_f32)
+DEFINE_SOFTMAX16(softmax16_bf16, round16_bf16)
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #66aa03b6
+_AVX512_QK_SRC = r"""/* Scores of one head against sixteen key rows kp[0..16), D a multiple of 16: sixteen independent
+   accumulators (one per key, no horizontal sum per key), then one hsum16. FMA: q in float32, scaled. */
+#define DEFINE_QK16_FMA(NAME, T, LOAD16)                                                                    \
+static inline __m512 NAME(const float* qf, const T* qraw, const T* const* kp, int D, float scale) {       \
+    (void)qraw; (void)scale; __m512 a[16];                                                                  \
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();                                                \
+    for (int c = 0; c < D; c += 16) {                                                                       \
+        const __m512 qv = _mm512_loadu_ps(qf + c);                                                          \
+        _Pragma("GCC unroll 16")                                                                            \
+        for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(qv, LOAD16(kp[i] + c, 0xffff), a[i]);          \
+    }                                                                                                       \
+    return hsum16(a);                                                                                       \
+}
+DEFINE_QK16_FMA(qk16_f32, float, load16_f32)
+DEFINE_QK16_FMA(qk16_bf16, bf16_t, load16_bf16)
+#if defined(__AVX512BF16__)
+/* The same with AVX512-BF16: raw bfloat16 q and k, 32 products per instruction, scaled once at the end.
+   (Loads through an unaligned bfloat16-vector type: a cast from __m512i can cost GCC a trip through memory.) */
+typedef __m512bh m512bh_u __attribute__((aligned(2)));
+typedef __m256bh m256bh_u __attribute__((aligned(2)));
+static inline __m512 qk16_bf16_dp(const float* qf, const bf16_t* q, const bf16_t* const* kp, int D, float scale) {
+    (void)qf; __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 32 <= D; c += 32) {
+        const __m512bh qv = *(const m512bh_u*)(q + c);
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], qv, *(const m512bh_u*)(kp[i] + c));
+    }
+    if (c < D) {  /* 16 dims left: 256-bit dot products, added in */
+        const __m256bh qv = *(const m256bh_u*)(q + c);
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < 16; i++) {
+            const __m256 d = _mm256_dpbf16_ps(_mm256_setzero_ps(), qv, *(const m256bh_u*)(kp[i] + c));
+            a[i] = _mm512_add_ps(a[i], _mm512_castps256_ps512(d));
+        }
+    }
+    return _mm512_mul_ps(hsum16(a), _mm512_set1_ps(scale));
+}
+#endif
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #a727ecbd
+_AVX512_PV_SRC = r"""/* acc[g * D + c0 + d] = sum_j p[g * ps + j] V_j[c0 + d] for GB heads and the 64 dims from c0 (masked at D):
+   GB x 4 accumulators in registers, each V row loaded and widened once for all GB heads. v: the KV head's
+   slice of row 0 (rows at off[j]). */
+#define DEFINE_PV(NAME, T, LOAD16, GB)                                                                      \
+static void NAME(const T* v, const int64_t* off, int n, int c0, int D, const float* p, const bf16_t* pb,   \
+                 int64_t ps, float* acc) {                                                                  \
+    (void)pb; __mmask16 mk[4]; __m512 a[GB][4];                                                             \
+    for (int u = 0; u < 4; u++) mk[u] = c0 + 16 * u < D ? 0xffff : 0;                                        \
+    for (int g = 0; g < (GB); g++) for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();              \
+    for (int j = 0; j < n; j++) {                                                                           \
+        const T* vj = v + off[j] + c0; __m512 w[4];                                                         \
+        for (int u = 0; u < 4; u++) w[u] = LOAD16(vj + 16 * u, mk[u]);                                      \
+        for (int g = 0; g < (GB); g++) {                                                                    \
+            const __m512 pg = _mm512_set1_ps(p[g * ps + j]);                                                \
+            for (int u = 0; u < 4; u++) a[g][u] = _mm512_fmadd_ps(pg, w[u], a[g][u]);                       \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (int g = 0; g < (GB); g++) for (int u = 0; u < 4; u++)                                              \
+        _mm512_mask_storeu_ps(acc + (int64_t)g * D + c0 + 16 * u, mk[u], a[g][u]);                          \
+}
+DEFINE_PV(pv_f32_1, float, load16_f32, 1) DEFINE_PV(pv_f32_2, float, load16_f32, 2)
+DEFINE_PV(pv_f32_3, float, load16_f32, 3) DEFINE_PV(pv_f32_4, float, load16_f32, 4)
+DEFINE_PV(pv_bf16_1, bf16_t, load16_bf16, 1) DEFINE_PV(pv_bf16_2, bf16_t, load16_bf16, 2)
+DEFINE_PV(pv_bf16_3, bf16_t, load16_bf16, 3) DEFINE_PV(pv_bf16_4, bf16_t, load16_bf16, 4)
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #7b95aae9
+_AVX512_PV_DP_SRC = r"""#if defined(__AVX512BF16__)
+/* The same with AVX512-BF16, two keys per instruction: rows j and j+1 interleaved (unpacklo/hi_epi16 pair
+   dims 8L..8L+3 / 8L+4..8L+7 of each 128-bit lane L) against the weight pair (p_j, p_j+1) broadcast from pb
+   (bf16-rounded already, so exact). The accumulators are put back in dimension order at the end. */
+#define DEFINE_PV_DP(NAME, GB)                                                                              \
+static void NAME(const bf16_t* v, const int64_t* off, int n, int c0, int D, const float* p,                \
+                 const bf16_t* pb, int64_t ps, float* acc) {                                                \
+    (void)p; __mmask16 mk[4]; __mmask32 mh[2]; __m512 a[GB][4];                                             \
+    for (int u = 0; u < 4; u++) mk[u] = c0 + 16 * u < D ? 0xffff : 0;                                        \
+    for (int h = 0; h < 2; h++) mh[h] = (__mmask32)mk[2 * h] | ((__mmask32)mk[2 * h + 1] << 16);             \
+    for (int g = 0; g < (GB); g++) for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();              \
+    for (int j = 0; j < n; j += 2) {                                                                        \
+        const bf16_t* v0 = v + off[j] + c0; const bf16_t* v1 = v + off[j + 1 < n ? j + 1 : j] + c0;          \
+        const __mmask32 odd = j + 1 < n ? 0xffffffffu : 0;                                                  \
+        __m512i w[4];                                                                                       \
+        for (int h = 0; h < 2; h++) {                                                                       \
+            const __m512i x = _mm512_maskz_loadu_epi16(mh[h], v0 + 32 * h);                                 \
+            const __m512i y = _mm512_maskz_loadu_epi16(mh[h] & odd, v1 + 32 * h);                           \
+            w[2 * h] = _mm512_unpacklo_epi16(x, y); w[2 * h + 1] = _mm512_unpackhi_epi16(x, y);             \
+        }                                                                                                   \
+        for (int g = 0; g < (GB); g++) {                                                                    \
+            int32_t pair; memcpy(&pair, pb + g * ps + j, 4);                                                \
+            const __m512bh pg = (__m512bh)_mm512_set1_epi32(pair);                                          \
+            for (int u = 0; u < 4; u++) a[g][u] = _mm512_dpbf16_ps(a[g][u], pg, (__m512bh)w[u]);            \
+        }                                                                                                   \
+    }                                                                                                       \
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);           \
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);     \
+    for (int g = 0; g < (GB); g++) for (int h = 0; h < 2; h++) {                                            \
+        float* o = acc + (int64_t)g * D + c0 + 32 * h;                                                      \
+        _mm512_mask_storeu_ps(o, mk[2 * h], _mm512_permutex2var_ps(a[g][2 * h], i0, a[g][2 * h + 1]));      \
+        _mm512_mask_storeu_ps(o + 16, mk[2 * h + 1], _mm512_permutex2var_ps(a[g][2 * h], i1, a[g][2 * h + 1])); \
+    }                                                                                                       \
+}
+DEFINE_PV_DP(pv_bf16_dp_1, 1) DEFINE_PV_DP(pv_bf16_dp_2, 2) DEFINE_PV_DP(pv_bf16_dp_3, 3) DEFINE_PV_DP(pv_bf16_dp_4, 4)
+#endif
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #d4c7d542
+_AVX512_ITEM_SRC = r"""/* One token's G query heads of one KV head over n keys (row j of the cache at element offset off[j]; ho:
+   the KV head's place in a row): per head its max m, sum l and unnormalised accumulator acc (G * D floats).
+   Sixteen keys at a time for all G heads (their K rows stay in L1). Scratch: s G * ps floats, pb G * ps
+   bfloat16 (ps >= n + 1), qf G * D floats. QF: whether QK16 takes q as scaled float32. */
+#define DEFINE_AVX512_ITEM(NAME, T, LOAD16, QF, QK16, SOFTMAX, PB, PV)                                      \
+static void NAME(const T* qp, const T* kc, const T* vc, const int64_t* off, int64_t ho, int n, int G, int D, \
+                 float scale, float soft_cap, float* s, bf16_t* pb, int64_t ps, float* qf, float* m_out,     \
+                 float* l_out, float* acc) {                                                                \
+    for (int c = 0; (QF) && c < G * D; c += 16)                                                             \
+        _mm512_storeu_ps(qf + c, _mm512_mul_ps(LOAD16(qp + c, 0xffff), _mm512_set1_ps(scale)));             \
+    for (int j0 = 0; j0 < n; j0 += 16) {                                                                    \
+        const T* kp[16];                                                                                    \
+        for (int i = 0; i < 16; i++) kp[i] = kc + ho + off[j0 + i < n ? j0 + i : j0];                       \
+        for (int g = 0; g < G; g++)                                                                         \
+            _mm512_mask_storeu_ps(s + g * ps + j0, tail16(j0, n), QK16(qf + g * D, qp + g * D, kp, D, scale)); \
+    }                                                                                                       \
+    for (int g = 0; g < G; g++) SOFTMAX(s + g * ps, n, soft_cap, (PB) ? pb + g * ps : NULL, m_out + g, l_out + g); \
+    for (int g0 = 0; g0 < G; g0 += 4) for (int c0 = 0; c0 < D; c0 += 64) {                                   \
+        const float* p = s + g0 * ps; const bf16_t* b = pb + g0 * ps; float* a = acc + (int64_t)g0 * D;     \
+        switch (G - g0 < 4 ? G - g0 : 4) {                                                                  \
+            case 1: PV##_1(vc + ho, off, n, c0, D, p, b, ps, a); break;                                     \
+            case 2: PV##_2(vc + ho, off, n, c0, D, p, b, ps, a); break;                                     \
+            case 3: PV##_3(vc + ho, off, n, c0, D, p, b, ps, a); break;                                     \
+            default: PV##_4(vc + ho, off, n, c0, D, p, b, ps, a);                                           \
+        }                                                                                                   \
+    }                                                                                                       \
+}
+DEFINE_AVX512_ITEM(attend_avx512_f32, float, load16_f32, 1, qk16_f32, softmax16_f32, 0, pv_f32)
+DEFINE_AVX512_ITEM(attend_avx512_bf16, bf16_t, load16_bf16, 1, qk16_bf16, softmax16_bf16, 0, pv_bf16)
+#if defined(__AVX512BF16__)
+DEFINE_AVX512_ITEM(attend_avx512_bf16_dp, bf16_t, load16_bf16, 0, qk16_bf16_dp, softmax16_bf16, 1, pv_bf16_dp)
+#endif
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #70ef2f05
+_AVX512_PLAN_SRC = r"""/* Fewer tokens than SPLIT_BELOW (a constant, so the plan never depends on the thread count): each token's
+   window in parts of ~256 keys (num_parts), merged afterwards, as in the generic driver. */
+#define SPLIT_BELOW 16
+/* Keys a..b of item i, token t of request r (split: part i - first[t] of the token's window). */
+static inline int item_keys(const int32_t* qsl, const int32_t* seq_lens, const int32_t* lo_of, const int32_t* first,
+                            int split, int64_t i, int t, int r, int* a) {
+    const int pos = seq_lens[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r]), lo = lo_of[t];
+    if (!split) { *a = lo; return pos; }
+    const int np = first[t + 1] - first[t], size = (pos - lo + np) / np;
+    *a = lo + (int)(i - first[t]) * size;
+    return *a + size - 1 < pos ? *a + size - 1 : pos;
+}
+/* Element offsets of keys a..a+n-1 of one request (row: its block table), a block at a time (no division
+   per key). */
+static void key_offsets(const int32_t* row, int a, int n, int bs, int64_t csb, int64_t css, int64_t* off) {
+    for (int j = 0, blk = a / bs, slot = a % bs; j < n; blk++, slot = 0) {
+        const int64_t base = (int64_t)row[blk] * csb; const int m = bs - slot < n - j ? bs - slot : n - j;
+        for (int i = 0; i < m; i++) off[j + i] = base + (int64_t)(slot + i) * css;
+        j += m;
+    }
+}
+/* A token's G heads out[g * D + d] = acc[g * D + d] / l[g], stored in the model dtype. */
+#define DEFINE_STORE_HEADS(NAME, T, STORE16)                                                                \
+static inline void NAME(T* op, const float* acc, const float* l, int G, int D) {                           \
+    for (int g = 0; g < G; g++) {                                                                           \
+        const __m512 inv = _mm512_set1_ps(1.f / l[g]);                                                      \
+        for (int c = 0; c < D; c += 16) STORE16(op + g * D + c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), inv)); \
+    }                                                                                                       \
+}
+DEFINE_STORE_HEADS(store_heads_f32, float, store16_f32)
+DEFINE_STORE_HEADS(store_heads_bf16, bf16_t, store16_bf16)
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #30927d1e
+_AVX512_DRIVER_SRC = r"""/* Work item u: KV head u % Hkv of token (split: of part) u / Hkv, its G query heads together. */
+#define DEFINE_AVX512_DRIVER(NAME, T, ITEM, MERGE, STORE_HEADS)                                             \
+int NAME(const T* q, const T* kc, const T* vc, T* out, const int32_t* qsl, const int32_t* seq_lens,         \
+         const int32_t* bt, int64_t bt_stride, int num_reqs, int Hq, int Hkv, int D, int bs,                 \
+         int64_t q_stride, int64_t out_stride, int64_t c_stride_block, int64_t c_stride_slot,              \
+         float scale, int window, float soft_cap, int nthreads, const uint8_t* skip) {                       \
+    if (Hq > MAX_HEADS || D > MAX_HEAD_SIZE || D % 16 || Hkv <= 0 || Hq % Hkv) return -1;                    \
+    const int G = Hq / Hkv, T_tok = qsl[num_reqs], split = T_tok < SPLIT_BELOW;                              \
+    if (T_tok <= 0) return 0;                                                                                \
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * ((size_t)T_tok * (split ? 67 : 3) + 1));              \
+    if (!tok) return -2;                                                                                     \
+    int32_t *lo_of = tok + T_tok, *first = lo_of + T_tok, *item_tok = first + T_tok + 1;                     \
+    plan_items(qsl, seq_lens, num_reqs, T_tok, window, skip, split, tok, lo_of, first, item_tok);            \
+    const int64_t n_items = split ? first[T_tok] : T_tok, stride = (int64_t)Hq * (D + 2);                    \
+    float* parts = split ? (float*)malloc(sizeof(float) * (size_t)(n_items * stride + 1)) : NULL;            \
+    if (split && !parts) { free(tok); return -2; }                                                           \
+    const int chunk = T_tok >= 4 * nthreads ? Hkv : 1;                                                       \
+    int err = 0;                                                                                             \
+    _Pragma("omp parallel num_threads(nthreads)")                                                            \
+    {                                                                                                        \
+        float* s = NULL; int64_t *off = NULL, cap = 0, last = -1;                                            \
+        float* buf = (float*)malloc(sizeof(float) * ((size_t)(2 * G + 1) * D + 2 * G));                      \
+        if (!buf) err = -2;                                                                                  \
+        _Pragma("omp for schedule(dynamic, chunk)")                                                          \
+        for (int64_t u = 0; u < n_items * Hkv; u++) {                                                        \
+            const int64_t i = u / Hkv; const int kvh = (int)(u % Hkv);                                       \
+            const int t = split ? item_tok[i] : (int)i, r = tok[t];                                          \
+            if (!split && skip && skip[r]) continue;                                                         \
+            int a; const int n = item_keys(qsl, seq_lens, lo_of, first, split, i, t, r, &a) - a + 1;        \
+            const int64_t ps = (n + 16) & ~15;                                                               \
+            if (ps > cap) {                                                                                  \
+                free(s); free(off); cap = 2 * ps; last = -1;                                                 \
+                s = (float*)malloc((sizeof(float) + sizeof(bf16_t)) * cap * G); off = (int64_t*)malloc(sizeof(int64_t) * cap); \
+            }                                                                                                \
+            if (!s || !off || !buf) { cap = 0; err = -2; continue; }                                         \
+            if (last != i) key_offsets(bt + (int64_t)r * bt_stride, a, n, bs, c_stride_block, c_stride_slot, off); \
+            last = i;                                                                                        \
+            float* m = split ? parts + i * stride + (int64_t)kvh * G : buf + (size_t)G * D;                  \
+            float* l = split ? m + Hq : m + G;                                                               \
+            float* acc = split ? parts + i * stride + 2 * Hq + (int64_t)kvh * G * D : l + G;                 \
+            ITEM(q + (int64_t)t * q_stride + (int64_t)kvh * G * D, kc, vc, off, (int64_t)kvh * D, n, G, D, scale, \
+                 soft_cap, s, (bf16_t*)(s + cap * G), ps, buf, m, l, acc);                                   \
+            if (!split) STORE_HEADS(out + (int64_t)t * out_stride + (int64_t)kvh * G * D, acc, l, G, D);      \
+        }                                                                                                    \
+        _Pragma("omp for schedule(static)")                                                                  \
+        for (int64_t i = 0; i < (split ? (int64_t)T_tok * Hq : 0); i++) {                                    \
+            const int t = (int)(i / Hq), h = (int)(i % Hq);                                                  \
+            if (!buf) { err = -2; continue; }                                                                \
+            if (first[t + 1] > first[t])                                                                     \
+                MERGE(parts, stride, first[t], first[t + 1], h, Hq, D, out + (int64_t)t * out_stride + (int64_t)h * D, buf); \
+        }                                                                                                    \
+        free(s); free(off); free(buf);                                                                       \
+    }                                                                                                        \
+    free(parts); free(tok);                                                                                  \
+    return err;                                                                                              \
+}
+DEFINE_AVX512_DRIVER(paged_attention_avx512_f32, float, attend_avx512_f32, merge_f32, store_heads_f32)
+DEFINE_AVX512_DRIVER(paged_attention_avx512_bf16, bf16_t, attend_avx512_bf16, merge_bf16, store_heads_bf16)
+#if defined(__AVX512BF16__)
+DEFINE_AVX512_DRIVER(paged_attention_avx512_bf16_dp, bf16_t, attend_avx512_bf16_dp, merge_bf16, store_heads_bf16)
+#endif
+#endif
+"""  # noqa: E501
+
 # %% ../nbs/kernels/02_cpu_attention.ipynb #e6e74b51
 CPU_ATTENTION_SRC = (
     C_PRELUDE
@@ -350,6 +673,14 @@ CPU_ATTENTION_SRC = (
     + _AVX2_VEC_SRC
     + _AVX2_DRIVER_SRC
     + _BF16_DP_SRC
+    + _AVX512_HELPERS_SRC
+    + _AVX512_SOFTMAX_SRC
+    + _AVX512_QK_SRC
+    + _AVX512_PV_SRC
+    + _AVX512_PV_DP_SRC
+    + _AVX512_ITEM_SRC
+    + _AVX512_PLAN_SRC
+    + _AVX512_DRIVER_SRC
 )
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #e68ea390
@@ -360,6 +691,11 @@ _SYMBOLS = {
 }
 _F32_VEC = "paged_attention_f32_vec"  # float32, head size 64, AVX2 + FMA
 _BF16_DP = "paged_attention_bf16_dp"  # bfloat16, any head size, AVX512-BF16 dot products
+# head size a multiple of 16, a work item per KV head; built with AVX-512 F + BW + VL (_BF16 for _dp)
+_F32_AVX512 = "paged_attention_avx512_f32"
+_BF16_AVX512 = "paged_attention_avx512_bf16"
+_BF16_AVX512_DP = "paged_attention_avx512_bf16_dp"
+_AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
 
 
 @functools.cache
@@ -376,7 +712,7 @@ def load_cpu_attention_lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for name in [*_SYMBOLS.values(), _F32_VEC, _BF16_DP]:
+    for name in [*_SYMBOLS.values(), _F32_VEC, _BF16_DP, _F32_AVX512, _BF16_AVX512, _BF16_AVX512_DP]:
         if not hasattr(lib, name):
             continue  # the vector paths exist only where the compiler targets their instructions
         fn = getattr(lib, name)
@@ -391,13 +727,15 @@ def cpu_attention_available() -> bool:
     "True when the CPU kernel is (or can be) built and loaded here."
     return load_cpu_attention_lib() is not None
 
-
+# %% ../nbs/kernels/02_cpu_attention.ipynb #3a323af6
 def cpu_attention_path(dtype: torch.dtype, head_size: int) -> str:
-    """Name of the C function `unified_attention_cpu` runs for `dtype` and `head_size`:
-    `paged_attention_f32_vec` (float32, head size 64, library built with AVX2 + FMA),
-    `paged_attention_bf16_dp` (bfloat16, built with AVX512-BF16 and `avx512_bf16` in
-    `kernels.cpu_build.cpu_flags()`, read at each call, so `MINIVLLM_CPU_FLAGS` can hide it), else the
-    generic `paged_attention_{f32,bf16,f16}`.
+    """Name of the C function `unified_attention_cpu` runs for `dtype` and `head_size`, from the library's
+    symbols and `kernels.cpu_build.cpu_flags()` (read at each call, so `MINIVLLM_CPU_FLAGS` can hide a path):
+    with `avx512f`, `avx512bw`, `avx512vl` and a head size that is a multiple of 16, the AVX-512 paths
+    (a work item per KV head): `paged_attention_avx512_f32`, `paged_attention_avx512_bf16_dp` (also
+    `avx512_bf16`) or `paged_attention_avx512_bf16`; else `paged_attention_f32_vec` (float32, head size
+    64, built with AVX2 + FMA), `paged_attention_bf16_dp` (bfloat16 with `avx512_bf16`); else the generic
+    `paged_attention_{f32,bf16,f16}`.
     Raises `RuntimeError` when the kernel is unavailable, `ValueError` for another dtype."""
     lib = load_cpu_attention_lib()
     if lib is None:
@@ -406,10 +744,18 @@ def cpu_attention_path(dtype: torch.dtype, head_size: int) -> str:
         )
     if dtype not in _SYMBOLS:
         raise ValueError(f"cpu_attention_path: dtype must be one of {list(_SYMBOLS)}; got {dtype}")
-    if dtype == torch.float32 and head_size == 64 and hasattr(lib, _F32_VEC):
-        return _F32_VEC
-    if dtype == torch.bfloat16 and hasattr(lib, _BF16_DP) and "avx512_bf16" in cpu_flags():
-        return _BF16_DP
+    flags = cpu_flags()
+    avx512 = _AVX512_FLAGS <= flags and head_size % 16 == 0
+    bf16_dp = "avx512_bf16" in flags
+    if dtype == torch.float32:
+        candidates = [(_F32_AVX512, avx512), (_F32_VEC, head_size == 64)]
+    elif dtype == torch.bfloat16:
+        candidates = [(_BF16_AVX512_DP, avx512 and bf16_dp), (_BF16_DP, bf16_dp), (_BF16_AVX512, avx512)]
+    else:
+        candidates = []
+    for name, usable in candidates:
+        if usable and hasattr(lib, name):
+            return name
     return _SYMBOLS[dtype]
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #d821fe75
