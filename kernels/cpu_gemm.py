@@ -111,6 +111,7 @@ int gemm_bf16(const bf16_t* xb, int64_t M, int64_t K, int64_t x_stride, const bf
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #aaafdfaf
 _DP_SRC = r"""
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <omp.h>
 #define DP_MR 8
 #define DP_NP 3
 #define DP_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
@@ -126,11 +127,14 @@ _DP_SRC = r"""
     _mm256_mask_storeu_epi16(y + (int64_t)(r) * ys + n0, mk, (__m256i)_mm512_cvtneps_pbh(v)); } }
 #define DP_ST(r) if (mr > r) { DP_ST1(r, c##r##0, 0) DP_ST1(r, c##r##1, 1) DP_ST1(r, c##r##2, 2) }
 
-/* y[r, 16 nb0 : 16 (nb0 + np)] for r < mr (<= 8 rows, np <= 3 panels of pairs (K2, 16, 2), K2 * 32 apart). */
+/* y[r, 16 nb0 : 16 (nb0 + np)] for r < mr (<= 8 rows, np <= 3 panels of pairs (K2, 16, 2), K2 * 32 apart).
+   pf[0..2]: panels to prefetch into L2 meanwhile, one 64-byte line per kp each (NULL: none). */
 static inline __attribute__((always_inline)) void tile_dp(const bf16_t* x, int64_t xs, const bf16_t* p,
-        int64_t K2, const int mr, const int np, bf16_t* y, int64_t ys, int64_t nb0, int64_t N, const bf16_t* bias) {
+        int64_t K2, const int mr, const int np, bf16_t* y, int64_t ys, int64_t nb0, int64_t N, const bf16_t* bias,
+        const bf16_t* const* pf) {
     DP_ROWS(DP_DECL)
     for (int64_t kp = 0; kp < K2; kp++) {
+        for (int i = 0; i < 3; i++) if (pf[i]) _mm_prefetch((const char*)(pf[i] + kp * 32), _MM_HINT_T1);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p + kp * 32);
         const __m512bh b1 = np > 1 ? (__m512bh)_mm512_loadu_si512(p + K2 * 32 + kp * 32) : b0;
         const __m512bh b2 = np > 2 ? (__m512bh)_mm512_loadu_si512(p + 2 * K2 * 32 + kp * 32) : b0;
@@ -139,9 +143,9 @@ static inline __attribute__((always_inline)) void tile_dp(const bf16_t* x, int64
     DP_ROWS(DP_ST)
 }
 
-#define DP_NP_CASE(R) case R: if (np == 3) tile_dp(xm, xs, p, K2, R, 3, ym, N, nb0, N, bias);                  \
-    else if (np == 2) tile_dp(xm, xs, p, K2, R, 2, ym, N, nb0, N, bias);                                      \
-    else tile_dp(xm, xs, p, K2, R, 1, ym, N, nb0, N, bias); break;
+#define DP_NP_CASE(R) case R: if (np == 3) tile_dp(xm, xs, p, K2, R, 3, ym, N, nb0, N, bias, pf);                  \
+    else if (np == 2) tile_dp(xm, xs, p, K2, R, 2, ym, N, nb0, N, bias, pf);                                      \
+    else tile_dp(xm, xs, p, K2, R, 1, ym, N, nb0, N, bias, pf); break;
 
 /* y (M, N) = x (M, K) @ W.T + bias, all bfloat16, with W packed by pairs: wp (ceil(N/16), ceil(K/2), 16, 2).
    An odd K reads x through a copy padded with one zero column. Returns 0, or -1 when that copy fails. */
@@ -157,17 +161,26 @@ int gemm_bf16_dp(const bf16_t* x0, int64_t M, int64_t K, int64_t x_stride, const
         for (int64_t m = 0; m < M; m++) memcpy(pad + m * 2 * K2, x0 + m * x_stride, sizeof(bf16_t) * K);
         x = pad; xs = 2 * K2;
     }
-    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t g = 0; g < NG; g++) {  /* a group of 3 panels, reused from L2 by every 8-row tile */
+    const int64_t MT = (M + DP_MR - 1) / DP_MR;
+    #pragma omp parallel num_threads(nthreads)
+    {
+    const int T = omp_get_num_threads();
+    for (int64_t g = omp_get_thread_num(); g < NG; g += T) {  /* 3 panels, reused from L2 by every 8-row tile */
         const int64_t nb0 = g * DP_NP;
         const int np = NB - nb0 < DP_NP ? (int)(NB - nb0) : DP_NP;
         const bf16_t* p = wp + nb0 * K2 * 32;
+        const int64_t next = (g + T) * DP_NP;  /* this thread's next group: its panels stream in meanwhile */
         for (int64_t m0 = 0; m0 < M; m0 += DP_MR) {
             const int mr = M - m0 < DP_MR ? (int)(M - m0) : DP_MR;
             const bf16_t* xm = x + m0 * xs;
             bf16_t* ym = y + m0 * N;
+            const int64_t ti = m0 / DP_MR;  /* tiles 1..MT-1 share the prefetch of the next group's 3 panels */
+            const bf16_t* pf[3] = {NULL, NULL, NULL};
+            for (int i = 0; i < 3 && ti >= 1; i++)
+                if (i % (MT - 1) == ti - 1 && next + i < NB) pf[i] = wp + (next + i) * K2 * 32;
             switch (mr) { DP_NP_CASE(8) DP_NP_CASE(7) DP_NP_CASE(6) DP_NP_CASE(5) DP_NP_CASE(4) DP_NP_CASE(3) DP_NP_CASE(2) DP_NP_CASE(1) }
         }
+    }
     }
     free(pad);
     return 0;
