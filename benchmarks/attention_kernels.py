@@ -8,7 +8,10 @@ block tables shuffled over the pool. Three steps:
 - mixed: half the decode batch plus two prompt chunks of `--prompt-len // 2` after 1024 cached tokens.
 
 For each: the step's kernel (on CUDA the Triton `kernels.unified_attention`, one launch for the whole step;
-on the CPU the C kernel `kernels.cpu_attention.unified_attention_cpu`, one call), the torch reference backend's
+on the CPU the C kernel `kernels.cpu_attention.unified_attention_cpu`, one call, timed twice side by side:
+on the path `cpu_attention_path` picks with every CPU flag, and on the path it picks with `--old-flags`
+(default `avx512f`) hidden through `MINIVLLM_CPU_FLAGS`: the paths before the AVX-512 ones, "old"), the
+torch reference backend's
 `forward` (minus its K/V write; metadata built once outside the timing, as the runner does once per step
 for all layers) and `torch.nn.functional.scaled_dot_product_attention` on the same K/V laid out densely
 (no paging; decodes padded to the longest context and masked; prompts as one causal batch). And
@@ -22,12 +25,16 @@ warm-up), next to the copy bandwidth measured here (a 1 GiB `copy_`, read + writ
     python benchmarks/attention_kernels.py --batch 64 --iters 20
     python benchmarks/attention_kernels.py --device cpu --dtype float32 --batch 64 --ctx-min 200 --ctx-max 330 \
         --num-prompts 4 --prompt-len 256 --iters 10      # SmolLM2-sized work on a small CPU
+    python benchmarks/attention_kernels.py --device cpu --heads 9 3 64 --batch 32 --ctx-min 104 \
+        --ctx-max 111 --num-prompts 1 --prompt-len 256 --iters 200   # SmolLM2-135M's attention, 32 decodes
 (The file is not called kernels.py: a script's folder comes first on sys.path, and a benchmarks/kernels.py
 would shadow the repository's `kernels` package for every script in this folder.)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import statistics
 import sys
@@ -43,7 +50,7 @@ from minivllm.testing import make_common_attn_metadata  # noqa: E402
 from minivllm.v1.attention.backends import torch_ref  # noqa: E402
 from minivllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
-HQ, HKV, D, BS = 16, 8, 128, 16
+HQ, HKV, D, BS = 16, 8, 128, 16  # Qwen3-0.6B; --heads changes the first three
 
 
 def bench(fn, iters: int, device: str) -> float:
@@ -108,6 +115,21 @@ def sdpa_dense(query_lens, seq_lens, q, dtype, device):
     return lambda: [c() for c in calls]
 
 
+@contextlib.contextmanager
+def flags_hidden(hidden: set[str]):
+    "MINIVLLM_CPU_FLAGS showing every flag of this CPU but `hidden`, within the block (read at each call)."
+    from kernels.cpu_build import cpu_flags
+    before = os.environ.get("MINIVLLM_CPU_FLAGS")
+    os.environ["MINIVLLM_CPU_FLAGS"] = " ".join(sorted(cpu_flags() - hidden))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MINIVLLM_CPU_FLAGS"]
+        else:
+            os.environ["MINIVLLM_CPU_FLAGS"] = before
+
+
 def attention_bytes(query_lens, seq_lens, elem):
     kv = sum(seq_lens) * HKV * D * 2 * elem
     return kv + 2 * sum(query_lens) * HQ * D * elem  # + queries read, outputs written
@@ -137,9 +159,24 @@ def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
     nbytes = attention_bytes(query_lens, seq_lens, elem)
     print(f"\n{name}: {len(query_lens)} requests, {T} query tokens, {sum(seq_lens)} context tokens, "
           f"{nbytes / 1e6:.1f} MB minimum traffic")
+    hidden = {}  # label -> the CPU flags hidden while it is timed
+    if device == "cpu":  # the same call, on the path chosen with the newer paths' flags hidden: side by side
+        from kernels.cpu_attention import cpu_attention_path
+        with flags_hidden(set(args.old_flags)):
+            old_path = cpu_attention_path(dtype, D)
+        kernel = rows.pop(kernel_label)
+        new_label = "cpu " + cpu_attention_path(dtype, D).removeprefix("paged_attention_")
+        old_label = "cpu " + old_path.removeprefix("paged_attention_") + " (old)"
+        rows = {new_label: kernel, old_label: kernel, **rows}
+        hidden = {old_label: set(args.old_flags)}
+    times = {}
     for label, fn in rows.items():
-        t = bench(fn, args.iters, device)
+        with flags_hidden(hidden[label]) if label in hidden else contextlib.nullcontext():
+            t = times[label] = bench(fn, args.iters, device)
         print(f"  {label:32s} {t * 1e6:9.1f} us  {nbytes / t / 1e9:8.1f} GB/s  ({100 * nbytes / t / peak:5.1f}% of copy)")
+    if hidden:
+        t_new, t_old = list(times.values())[:2]
+        print(f"  {'old / new':32s} {t_old / t_new:9.2f}x")
     kc, vc = kv[0].clone(), kv[1].clone()
     kk, vv = k.view(T, HKV, D), v.view(T, HKV, D)
     wbytes = 2 * 2 * T * HKV * D * elem
@@ -161,7 +198,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available, else cpu")
+    ap.add_argument("--heads", type=int, nargs=3, metavar=("HQ", "HKV", "D"), default=[HQ, HKV, D],
+                    help="query heads, KV heads, head size (default Qwen3-0.6B's 16 8 128)")
+    ap.add_argument("--old-flags", nargs="+", default=["avx512f"],
+                    help="CPU flags hidden for the 'old' CPU kernel row (default avx512f: the older paths)")
     args = ap.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = args.heads
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
@@ -172,7 +215,12 @@ def main() -> None:
     torch.manual_seed(0)
     peak = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}  dtype={args.dtype}  copy bandwidth {peak / 1e9:.0f} GB/s (read + write)")
+    print(f"{name}  dtype={args.dtype}  heads {HQ}/{HKV}, size {D}", end="  ")
+    print(f"copy bandwidth {peak / 1e9:.0f} GB/s (read + write)")
+    if device == "cpu":
+        from kernels.cpu_build import cpu_flags
+        isa = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
+        print(f"CPU flags: {isa}; load average {os.getloadavg()}")
     dec_ctx = [rng.randint(args.ctx_min, args.ctx_max) for _ in range(args.batch)]
     run_step("decode", [1] * args.batch, dec_ctx, args, device, dtype, peak)
     run_step("prefill", [args.prompt_len] * args.num_prompts, [args.prompt_len] * args.num_prompts, args, device, dtype, peak)

@@ -1,11 +1,14 @@
-"""The CPU attention kernel alone, before and after the (token, head) split and the AVX512-BF16 dot products.
+"""The CPU attention kernel alone, before and after a change (issue 31 item 3: the split, AVX-512 paths).
 
-"before" is `kernels/cpu_attention.py` as of git revision `--baseline` (the kernel that gave each token to
-one thread), built here under its own name; "after" is the working tree's kernel, once with every CPU flag
-and once with `avx512_bf16` hidden from its path choice (the generic bfloat16 loop, split the same way).
-Each case times one call (median of `--iters` after warm-up) on the same random paged cache:
+"before" is `kernels/cpu_attention.py` as of git revision `--baseline` (default 689e33c: the kernel before
+the AVX-512 paths, with the AVX512-BF16 dot products per token and the AVX2 float32 path), built here under
+its own name; "after" is the working tree's kernel, once with every CPU flag and once with `avx512_bf16`
+hidden from its path choice (on an AVX-512 CPU: the AVX-512 path with K and V widened to float32).
+Each case times one call on the same random paged cache:
 
 - decode 1: one decoding sequence (a single stream), 4096 cached tokens;
+- decode 1, 2000: one sequence of 2000;
+- decode 32: thirty-two sequences of 104-111 (SmolLM2's 32-sequence decode);
 - decode 16: sixteen sequences of 1024;
 - prefill 256: one 256-token prompt.
 
@@ -15,7 +18,7 @@ median catches the 4 ms scheduler ticks of a preempted OpenMP thread, the minimu
 Ratios are before / after (above 1: faster now). Prints the CPU flags and the load average around the run
 (run it on a quiet machine).
 
-    python benchmarks/cpu_attention_split.py [--baseline 2e0f23b] [--iters 30] [--threads 1 2]
+    python benchmarks/cpu_attention_split.py [--baseline 689e33c] [--iters 30] [--threads 1 2]
 """
 
 from __future__ import annotations
@@ -81,20 +84,22 @@ def time_call(fn, args, iters: int, threads: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", default="2e0f23b", help="git revision of the kernel to compare with")
+    ap.add_argument("--baseline", default="689e33c", help="git revision of the kernel to compare with")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     before = baseline_module(args.baseline)
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
     print(f"CPU flags: {' '.join(flags)}; load {os.getloadavg()}")
-    print(f"{'case':36s} {'before':>9s} {'after':>9s} {'ratio':>6s} {'no-bf16dp':>9s} {'ratio':>6s}  path")
+    print(f"{'case':40s} {'before':>9s} {'after':>9s} {'ratio':>6s} {'no-bf16':>9s} {'ratio':>6s}  path")
     no_dp = " ".join(f for f in cpu_flags() if f != "avx512_bf16")
     for threads in args.threads:
         for dtype in (torch.bfloat16, torch.float32):
             for D in (64, 128):
                 cases = [
                     case("decode 1", [1], [4096], dtype, D),
+                    case("decode 1, 2000", [1], [2000], dtype, D),
+                    case("decode 32, 104-111", [1] * 32, [104 + i % 8 for i in range(32)], dtype, D),
                     case("decode 16", [1] * 16, [1024] * 16, dtype, D),
                     case("prefill 256", [256], [256], dtype, D),
                 ]
@@ -102,6 +107,7 @@ def main() -> None:
                     t_before = time_call(before.unified_attention_cpu, call, args.iters, threads)
                     t_after = time_call(after.unified_attention_cpu, call, args.iters, threads)
                     path = after.cpu_attention_path(dtype, D)
+                    old_path = before.cpu_attention_path(dtype, D)
                     os.environ["MINIVLLM_CPU_FLAGS"] = no_dp
                     try:
                         t_hidden = time_call(after.unified_attention_cpu, call, args.iters, threads)
@@ -109,8 +115,8 @@ def main() -> None:
                         del os.environ["MINIVLLM_CPU_FLAGS"]
                     label = f"{name}, {str(dtype)[6:]}, D={D}, {threads} thr"
                     print(
-                        f"{label:36s} {t_before:8.3f}ms {t_after:8.3f}ms {t_before / t_after:6.2f} "
-                        f"{t_hidden:8.3f}ms {t_before / t_hidden:6.2f}  {path}"
+                        f"{label:40s} {t_before:8.3f}ms {t_after:8.3f}ms {t_before / t_after:6.2f} "
+                        f"{t_hidden:8.3f}ms {t_before / t_hidden:6.2f}  {path} ({old_path})"
                     )
     print(f"load after: {os.getloadavg()}")
 

@@ -432,9 +432,30 @@ static inline __m512 NAME(const float* qf, const T* qraw, const T* const* kp, in
     }                                                                                                       \
     return hsum16(a);                                                                                       \
 }
+/* Two heads (q rows qa, qb) against eight key rows, each K load shared by both: lanes 0-7 head a, 8-15 head b. */
+#define DEFINE_QK8X2_FMA(NAME, T, LOAD16)                                                                   \
+static inline __m512 NAME(const float* qa, const float* qb, const T* ra, const T* rb, const T* const* kp,  \
+                          int D, float scale) {                                                            \
+    (void)ra; (void)rb; (void)scale; __m512 a[16];                                                          \
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();                                                \
+    for (int c = 0; c < D; c += 16) {                                                                       \
+        const __m512 x = _mm512_loadu_ps(qa + c), y = _mm512_loadu_ps(qb + c);                              \
+        _Pragma("GCC unroll 8")                                                                             \
+        for (int i = 0; i < 8; i++) {                                                                       \
+            const __m512 k = LOAD16(kp[i] + c, 0xffff);                                                     \
+            a[i] = _mm512_fmadd_ps(x, k, a[i]); a[8 + i] = _mm512_fmadd_ps(y, k, a[8 + i]);                  \
+        }                                                                                                   \
+    }                                                                                                       \
+    return hsum16(a);                                                                                       \
+}
 DEFINE_QK16_FMA(qk16_f32, float, load16_f32)
 DEFINE_QK16_FMA(qk16_bf16, bf16_t, load16_bf16)
-#if defined(__AVX512BF16__)
+DEFINE_QK8X2_FMA(qk8x2_f32, float, load16_f32)
+DEFINE_QK8X2_FMA(qk8x2_bf16, bf16_t, load16_bf16)
+"""  # noqa: E501
+
+# %% ../nbs/kernels/02_cpu_attention.ipynb #d164df73
+_AVX512_QK_DP_SRC = r"""#if defined(__AVX512BF16__)
 /* The same with AVX512-BF16: raw bfloat16 q and k, 32 products per instruction, scaled once at the end.
    (Loads through an unaligned bfloat16-vector type: a cast from __m512i can cost GCC a trip through memory.) */
 typedef __m512bh m512bh_u __attribute__((aligned(2)));
@@ -454,6 +475,30 @@ static inline __m512 qk16_bf16_dp(const float* qf, const bf16_t* q, const bf16_t
         for (int i = 0; i < 16; i++) {
             const __m256 d = _mm256_dpbf16_ps(_mm256_setzero_ps(), qv, *(const m256bh_u*)(kp[i] + c));
             a[i] = _mm512_add_ps(a[i], _mm512_castps256_ps512(d));
+        }
+    }
+    return _mm512_mul_ps(hsum16(a), _mm512_set1_ps(scale));
+}
+static inline __m512 qk8x2_bf16_dp(const float* qa, const float* qb, const bf16_t* ra, const bf16_t* rb,
+                                   const bf16_t* const* kp, int D, float scale) {
+    (void)qa; (void)qb; __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 32 <= D; c += 32) {
+        const __m512bh x = *(const m512bh_u*)(ra + c), y = *(const m512bh_u*)(rb + c);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) {
+            const __m512bh k = *(const m512bh_u*)(kp[i] + c);
+            a[i] = _mm512_dpbf16_ps(a[i], x, k); a[8 + i] = _mm512_dpbf16_ps(a[8 + i], y, k);
+        }
+    }
+    if (c < D) {
+        const __m256bh x = *(const m256bh_u*)(ra + c), y = *(const m256bh_u*)(rb + c);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) {
+            const __m256bh k = *(const m256bh_u*)(kp[i] + c);
+            a[i] = _mm512_add_ps(a[i], _mm512_castps256_ps512(_mm256_dpbf16_ps(_mm256_setzero_ps(), x, k)));
+            a[8 + i] = _mm512_add_ps(a[8 + i], _mm512_castps256_ps512(_mm256_dpbf16_ps(_mm256_setzero_ps(), y, k)));
         }
     }
     return _mm512_mul_ps(hsum16(a), _mm512_set1_ps(scale));
@@ -532,17 +577,22 @@ _AVX512_ITEM_SRC = r"""/* One token's G query heads of one KV head over n keys (
    the KV head's place in a row): per head its max m, sum l and unnormalised accumulator acc (G * D floats).
    Sixteen keys at a time for all G heads (their K rows stay in L1). Scratch: s G * ps floats, pb G * ps
    bfloat16 (ps >= n + 1), qf G * D floats. QF: whether QK16 takes q as scaled float32. */
-#define DEFINE_AVX512_ITEM(NAME, T, LOAD16, QF, QK16, SOFTMAX, PB, PV)                                      \
+#define DEFINE_AVX512_ITEM(NAME, T, LOAD16, QF, QK16, QK8X2, SOFTMAX, PB, PV)                               \
 static void NAME(const T* qp, const T* kc, const T* vc, const int64_t* off, int64_t ho, int n, int G, int D, \
                  float scale, float soft_cap, float* s, bf16_t* pb, int64_t ps, float* qf, float* m_out,     \
                  float* l_out, float* acc) {                                                                \
     for (int c = 0; (QF) && c < G * D; c += 16)                                                             \
         _mm512_storeu_ps(qf + c, _mm512_mul_ps(LOAD16(qp + c, 0xffff), _mm512_set1_ps(scale)));             \
     for (int j0 = 0; j0 < n; j0 += 16) {                                                                    \
-        const T* kp[16];                                                                                    \
+        const T* kp[16]; const __mmask16 k = tail16(j0, n); int g = 0;                                      \
         for (int i = 0; i < 16; i++) kp[i] = kc + ho + off[j0 + i < n ? j0 + i : j0];                       \
-        for (int g = 0; g < G; g++)                                                                         \
-            _mm512_mask_storeu_ps(s + g * ps + j0, tail16(j0, n), QK16(qf + g * D, qp + g * D, kp, D, scale)); \
+        for (; g + 1 < G; g += 2) {  /* two heads: keys 0-7 (lo) and 8-15 (hi), then 256-bit halves swapped */ \
+            const float *qa = qf + g * D, *qb = qa + D; const T *ra = qp + g * D, *rb = ra + D;              \
+            const __m512 lo = QK8X2(qa, qb, ra, rb, kp, D, scale), hi = QK8X2(qa, qb, ra, rb, kp + 8, D, scale); \
+            _mm512_mask_storeu_ps(s + g * ps + j0, k, _mm512_shuffle_f32x4(lo, hi, 0x44));                  \
+            _mm512_mask_storeu_ps(s + (g + 1) * ps + j0, k, _mm512_shuffle_f32x4(lo, hi, 0xee));            \
+        }                                                                                                   \
+        if (g < G) _mm512_mask_storeu_ps(s + g * ps + j0, k, QK16(qf + g * D, qp + g * D, kp, D, scale));    \
     }                                                                                                       \
     for (int g = 0; g < G; g++) SOFTMAX(s + g * ps, n, soft_cap, (PB) ? pb + g * ps : NULL, m_out + g, l_out + g); \
     for (int g0 = 0; g0 < G; g0 += 4) for (int c0 = 0; c0 < D; c0 += 64) {                                   \
@@ -555,10 +605,11 @@ static void NAME(const T* qp, const T* kc, const T* vc, const int64_t* off, int6
         }                                                                                                   \
     }                                                                                                       \
 }
-DEFINE_AVX512_ITEM(attend_avx512_f32, float, load16_f32, 1, qk16_f32, softmax16_f32, 0, pv_f32)
-DEFINE_AVX512_ITEM(attend_avx512_bf16, bf16_t, load16_bf16, 1, qk16_bf16, softmax16_bf16, 0, pv_bf16)
+DEFINE_AVX512_ITEM(attend_avx512_f32, float, load16_f32, 1, qk16_f32, qk8x2_f32, softmax16_f32, 0, pv_f32)
+DEFINE_AVX512_ITEM(attend_avx512_bf16, bf16_t, load16_bf16, 1, qk16_bf16, qk8x2_bf16, softmax16_bf16, 0, pv_bf16)
 #if defined(__AVX512BF16__)
-DEFINE_AVX512_ITEM(attend_avx512_bf16_dp, bf16_t, load16_bf16, 0, qk16_bf16_dp, softmax16_bf16, 1, pv_bf16_dp)
+DEFINE_AVX512_ITEM(attend_avx512_bf16_dp, bf16_t, load16_bf16, 0, qk16_bf16_dp, qk8x2_bf16_dp, softmax16_bf16, 1,
+                   pv_bf16_dp)
 #endif
 """  # noqa: E501
 
@@ -676,6 +727,7 @@ CPU_ATTENTION_SRC = (
     + _AVX512_HELPERS_SRC
     + _AVX512_SOFTMAX_SRC
     + _AVX512_QK_SRC
+    + _AVX512_QK_DP_SRC
     + _AVX512_PV_SRC
     + _AVX512_PV_DP_SRC
     + _AVX512_ITEM_SRC
@@ -843,18 +895,18 @@ def _check_args(
     block_table: torch.Tensor,
     skip_reqs: torch.Tensor | None,
 ) -> None:
-    "Raise `ValueError` for anything `unified_attention_cpu` would hand to the C kernel wrongly."
+    """Raise `ValueError` for anything `unified_attention_cpu` would hand to the C kernel wrongly.
+    Each tensor's properties are read once (`is_cpu`, `stride()`): these checks run for every layer."""
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
-    for name, t in tensors.items():
-        if t.device.type != "cpu":
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if not t.is_cpu:
             raise ValueError(f"unified_attention_cpu: {name} must be on the CPU; got {t.device}")
         if t.dtype != q.dtype:
             raise ValueError(f"unified_attention_cpu: {name} has dtype {t.dtype}, q has {q.dtype}")
     if q.dtype not in _SYMBOLS:
         raise ValueError(f"unified_attention_cpu: dtype must be one of {list(_SYMBOLS)}; got {q.dtype}")
-    if Dk != D or tuple(v_cache.shape) != tuple(k_cache.shape) or out.shape != q.shape:
+    if Dk != D or v_cache.shape != k_cache.shape or out.shape != q.shape:
         raise ValueError(
             f"unified_attention_cpu: shapes disagree: q {tuple(q.shape)}, out {tuple(out.shape)}, "
             f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
@@ -862,29 +914,28 @@ def _check_args(
     if Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     for name, t in (("q", q), ("out", out)):
-        if t.stride(2) != 1 or t.stride(1) != D:
+        st = t.stride()
+        if st[2] != 1 or st[1] != D:
             raise ValueError(f"unified_attention_cpu: {name} rows must be contiguous (T, H, D)")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(3) != 1 or t.stride(2) != D or t.stride(1) != Hkv * D or t.stride(0) != k_cache.stride(0):
+    k_stride = k_cache.stride()
+    for name, st in (("k_cache", k_stride), ("v_cache", v_cache.stride())):
+        if st[3] != 1 or st[2] != D or st[1] != Hkv * D or st[0] != k_stride[0]:
             raise ValueError(
                 f"unified_attention_cpu: {name} must have contiguous "
                 "(block_size, num_kv_heads, head_size) blocks"
             )
     if skip_reqs is not None and (
         skip_reqs.dtype != torch.uint8
-        or skip_reqs.device.type != "cpu"
+        or not skip_reqs.is_cpu
         or not skip_reqs.is_contiguous()
         or skip_reqs.shape != seq_lens.shape
     ):
         raise ValueError(
             "unified_attention_cpu: skip_reqs must be a contiguous CPU uint8 tensor shaped like seq_lens"
         )
-    for name, t in (
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-        ("block_table", block_table),
-    ):
-        if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:
+    metadata = (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table))
+    for name, t in metadata:
+        if t.dtype != torch.int32 or not t.is_cpu or t.stride()[-1] != 1:
             raise ValueError(
                 f"unified_attention_cpu: {name} must be a CPU int32 tensor with a contiguous last dim; "
                 f"got {t.dtype} on {t.device}"
