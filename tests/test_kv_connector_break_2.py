@@ -15,6 +15,10 @@ attack, tensor and data parallel.
    heads only, refused them (layout), and the producer's rank 1 held the blocks until `abort_timeout_s`.
    The producer's parameters carry `tp_size` (as vLLM's NIXL connector's); a consumer with another size
    computes the prompt itself, warns naming `--tensor-parallel-size`, and releases every producer rank at once.
+5. ExampleConnector and LMCache: the blocks a prompt computes in the step of a failed load (on whatever the
+   failed block held) were stored; every later request with that prefix loaded them and gave other tokens,
+   silently. Also when the request only hit the failed block in the local prefix cache (another request
+   loaded it in the same step).
 """
 
 import asyncio
@@ -278,3 +282,39 @@ def test_a_failed_load_stores_nothing_computed_on_it(llama, tmp_path, connector)
         finally:
             llm.llm_engine.shutdown()
     assert got == want * 3  # before: the later runs loaded blocks computed on the damaged one
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "LMCacheConnectorV1"])
+def test_a_prefix_hit_on_a_failed_load_stores_nothing(llama, tmp_path, connector):
+    """With prefix caching (the default), two prompts with the same damaged first block in one step: one loads
+    it, the other hits that block in the local prefix cache and computes its own blocks on it. That second
+    request had no failed load of its own, so its blocks were stored, and a later run of its prompt loaded
+    them (ExampleConnector: other tokens). Saves of every request holding a failed block are dropped."""
+    path = llama[0]
+    first = list(range(5, 5 + 20))
+    pair = [first[:16] + list(range(400, 440)), first[:16] + list(range(200, 240))]
+    kw = dict(KW, enable_prefix_caching=True)
+    ref = LLM(path, **kw)
+    want = _greedy(ref, pair)
+    ref.llm_engine.shutdown()
+    if connector == "ExampleConnector":
+        extra, pattern = {"shared_storage_path": str(tmp_path)}, "*.safetensors"
+    else:
+        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(tmp_path), "max_local_disk_size": 0.01}
+        pattern = "*.kvchunk"
+    kvt = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    llm = LLM(path, **kw, kv_transfer_config=kvt)
+    _greedy(llm, [first])
+    llm.llm_engine.shutdown()
+    (stored,) = tmp_path.glob(pattern)
+    raw = bytearray(stored.read_bytes())
+    raw[-3] ^= 0x10
+    stored.write_bytes(bytes(raw))
+    got = []
+    for prompts in (pair, pair[:1], pair[1:]):  # both in one step (recomputed), then each alone, loaded
+        llm = LLM(path, **kw, kv_transfer_config=kvt)
+        try:
+            got += _greedy(llm, prompts)
+        finally:
+            llm.llm_engine.shutdown()
+    assert got == want * 2  # before (ExampleConnector): the prefix-hit request's stored blocks were wrong

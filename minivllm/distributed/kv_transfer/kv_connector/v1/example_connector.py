@@ -59,14 +59,15 @@ def safetensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 @dataclass
 class ExampleConnectorMetadata(KVConnectorMetadata):
-    """One step's work: `loads` and `saves` are (key, block_id) pairs; `req_ids` the requests they come from,
-    `block_reqs` the request of each block loaded or saved. Source: vLLM v0.15 example_connector.py
-    `ExampleConnectorMetadata` (role)."""
+    """One step's work: `loads` and `saves` are (key, block_id) pairs; `req_ids` the requests they come from;
+    `req_blocks` the block ids of each request with saves (its blocks so far: a save is dropped when one of
+    them failed to load this step).
+    Source: vLLM v0.15 example_connector.py `ExampleConnectorMetadata` (role)."""
 
     loads: list[tuple[str, int]] = field(default_factory=list)
     saves: list[tuple[str, int]] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
-    block_reqs: dict[int, str] = field(default_factory=dict)
+    req_blocks: dict[str, list[int]] = field(default_factory=dict)
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #6bed6323
 @dataclass
@@ -99,7 +100,6 @@ class ExampleConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ExampleReqState] = {}  # scheduler side
         self._matched: dict[str, int] = {}
         self._loads: list[tuple[str, int]] = []
-        self._load_reqs: dict[int, str] = {}
         self._kv_caches: dict[str, torch.Tensor] = {}  # worker side
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._invalid_block_ids: set[int] = set()
@@ -150,13 +150,12 @@ def update_state_after_alloc(
     first = (matched - num_external_tokens) // self._block_size
     for i in range(first, matched // self._block_size):
         self._loads.append((keys[i], block_ids[i]))
-        self._load_reqs[block_ids[i]] = request.request_id
 
 
 @patch
 def build_connector_meta(self: ExampleConnector, scheduler_output: Any) -> ExampleConnectorMetadata:
-    meta = ExampleConnectorMetadata(loads=self._loads, block_reqs=self._load_reqs)
-    self._loads, self._load_reqs = [], {}
+    meta = ExampleConnectorMetadata(loads=self._loads)
+    self._loads = []
     computed = self._track_blocks(scheduler_output)
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         st = self._reqs.get(req_id)
@@ -167,7 +166,8 @@ def build_connector_meta(self: ExampleConnector, scheduler_output: Any) -> Examp
         st.num_saved_blocks = min(st.num_saved_blocks, computed[req_id] // self._block_size)
         new = [(st.keys[b], st.block_ids[b]) for b in range(st.num_saved_blocks, min(done, len(st.keys)))]
         meta.saves.extend((k, b) for k, b in new if not self._stored(k))
-        meta.block_reqs.update((b, req_id) for _, b in new)
+        if new:  # its saves depend on all its blocks, loaded ones and prefix-cache hits (another's load)
+            meta.req_blocks[req_id] = list(st.block_ids)
         st.num_saved_blocks = max(st.num_saved_blocks, done)
     meta.req_ids = sorted(computed)
     return meta
@@ -196,14 +196,14 @@ def register_kv_caches(self: ExampleConnector, kv_caches: dict[str, torch.Tensor
 @patch
 def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -> None:
     """Fill this step's blocks from their files; a block whose file is missing or bad is invalid (recomputed),
-    and its request's saves of this step are dropped (computed on whatever the block held)."""
+    and the saves of this step by a request holding it are dropped (computed on whatever the block held)."""
     meta = self._get_connector_metadata()
     failed = set()
     for key, block_id in meta.loads:
         try:
             self._load_block(key, block_id)
         except (OSError, SafetensorError, KeyError, RuntimeError, ValueError) as e:
-            failed.add(meta.block_reqs.get(block_id))
+            failed.add(block_id)
             damaged = isinstance(e, (_DamagedFile, SafetensorError))
             logger.warning(
                 "ExampleConnector: cannot load block %d from %s (%s)%s; recomputing it",
@@ -212,8 +212,8 @@ def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -
             self._invalid_block_ids.add(block_id)
             if damaged:  # it would be matched, and fail, for every later request: remove it
                 _remove_entry(self._path(key))
-    failed.discard(None)  # a load without a named request (built by hand) marks no saves
-    self._unsafe_saves = {key for key, b in meta.saves if meta.block_reqs.get(b) in failed}
+    tainted = [set(ids) for ids in meta.req_blocks.values() if failed.intersection(ids)]
+    self._unsafe_saves = {key for key, b in meta.saves if any(b in ids for ids in tainted)}
 
 
 def _remove_entry(path: Path) -> None:

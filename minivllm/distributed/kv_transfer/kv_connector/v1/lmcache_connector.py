@@ -72,11 +72,13 @@ class ChunkSave:
 
 @dataclass
 class LMCacheConnectorMetadata(KVConnectorMetadata):
-    """One step's loads (before the forward) and saves (after it).
+    """One step's loads (before the forward) and saves (after it); `req_blocks`: the block ids of each request
+    with saves (a request holding a block whose load failed this step stores nothing).
     Source: vLLM v0.15 lmcache_integration/vllm_v1_adapter.py `LMCacheConnectorMetadata` (role)."""
 
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    req_blocks: dict[str, list[int]] = field(default_factory=dict)
 
 # %% ../../../../../nbs/48c_lmcache_connector.ipynb #d241bb37
 @dataclass
@@ -154,6 +156,7 @@ def build_connector_meta(
             redo = st.num_saved_chunks < st.num_redo_chunks
             meta.saves.append(ChunkSave(req_id, chunk_hash, st.block_ids[start // bs : end // bs], redo))
             st.num_saved_chunks += 1
+            meta.req_blocks[req_id] = list(st.block_ids)  # with prefix-cache hits: another request's loads
     return meta
 
 
@@ -197,7 +200,8 @@ class LMCacheConnectorV1Worker:
         self._saves: list[ChunkSave] = []
         self._pieces: dict[str, dict[str, torch.Tensor]] = {}
         self._invalid_block_ids: set[int] = set()
-        self._failed_reqs: set[str] = set()  # requests with a failed load this step (synchronous mode)
+        self._failed_blocks: set[int] = set()  # blocks of this step's failed loads (synchronous mode)
+        self._req_blocks: dict[str, list[int]] = {}  # this step's requests with saves -> their blocks
         self._stats: dict[str, int] = {}  # this step's counts, for kv_connector_stats
         self.layerwise = config.use_layerwise
         self.blocking_timeout_secs = config.blocking_timeout_secs
@@ -229,10 +233,11 @@ class LMCacheConnectorV1Worker:
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         """Load this step's chunks into the paged caches (all layers now, or with `use_layerwise` hand them to
         the loader thread and return); keep the saves whose chunks the store lacks."""
+        self._req_blocks = meta.req_blocks
         if self.layerwise:
             self._start_layerwise(meta)
             return
-        self._failed_reqs = set()
+        self._failed_blocks = set()
         for load in meta.loads:
             kv = self._fetch(load)
             ok = kv is not None
@@ -241,18 +246,19 @@ class LMCacheConnectorV1Worker:
                 ok = ok and self._copy_layer(load, kv, i)
             self._count_load(load, ok)
             if not ok:
-                self._failed_reqs.add(load.req_id)
+                self._failed_blocks.update(load.block_ids)
         self._saves = self._unsaved(meta.saves)
 
     def _unsaved(self, saves: list[ChunkSave]) -> list[ChunkSave]:
         return [s for s in saves if s.overwrite or self.storage.contains(self.key(s.chunk_hash)) is None]
 
-    def _failed_load_reqs(self) -> set[str]:
-        "This step's requests whose load failed: their KV past it was computed on whatever the blocks held."
-        if not self.layerwise:
-            return self._failed_reqs
-        job = self._load_job
-        return set() if job is None else {job.loads[j].req_id for j in set(job.failed)}
+    def _tainted_reqs(self) -> set[str]:
+        "This step's requests holding a block whose load failed (computed on what it held)."
+        failed = self._failed_blocks
+        if self.layerwise:
+            job = self._load_job
+            failed = set() if job is None else {b for j in set(job.failed) for b in job.loads[j].block_ids}
+        return {r for r, ids in self._req_blocks.items() if failed.intersection(ids)}
 
 # %% ../../../../../nbs/48c_lmcache_connector.ipynb #ab6f57ea
 @patch
@@ -335,10 +341,10 @@ def wait_for_save(self: LMCacheConnectorV1Worker) -> None:
         self._saves = []
         self._pieces = {}
         return
-    failed = self._failed_load_reqs()
+    tainted = self._tainted_reqs()
     for save in self._saves:
         layers = self._pieces.get(save.chunk_hash, {})
-        if set(layers) != set(self.kv_caches) or save.req_id in failed:
+        if set(layers) != set(self.kv_caches) or save.req_id in tainted:
             continue  # some layers did not run, or ran on a failed load: nothing trustworthy to store
         kv = torch.stack([layers[name] for name in self.kv_caches])  # (L, 2, n, block_size, Hkv, D)
         num_layers, _, n, bs, hkv, d = kv.shape
