@@ -318,3 +318,44 @@ def test_a_prefix_hit_on_a_failed_load_stores_nothing(llama, tmp_path, connector
         finally:
             llm.llm_engine.shutdown()
     assert got == want * 2  # before (ExampleConnector): the prefix-hit request's stored blocks were wrong
+
+
+# ---- 6. a worker killed mid-transfer leaves no file behind ----
+
+
+def test_a_killed_worker_leaves_no_socket_file(llama, monkeypatch):
+    """SIGKILL of one TP rank while a P2P consumer waits for a silent peer: the engine fails at once (the
+    executor names the dead worker), and after shutdown nothing of the worker is left. Its response queue's
+    ipc socket (`/tmp/minivllm-mq-*`, bound by the worker, which unlinks it on a clean exit) stayed, one file
+    per killed worker; the executor now removes it."""
+    import signal
+    import threading
+
+    import zmq
+
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the workers are processes all the same
+    path = llama[0]
+    cons = LLM(path, tensor_parallel_size=2, **KW,
+               kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                                   "kv_connector_extra_config": {"transfer_timeout_s": 60}})  # fmt: skip
+    executor = cons.llm_engine.engine_core.engine_core.model_executor
+    files = [w.worker_response_mq.local_subscribe_addr.removeprefix("ipc://") for w in executor.workers]
+    assert all(os.path.exists(f) for f in files)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts the pulls, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_request_id": "r",
+              "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": port}  # fmt: skip
+    victim = executor.workers[1].proc
+    threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="died unexpectedly"):
+            _greedy(cons, [PROMPTS[0]], [params])
+        assert time.monotonic() - t0 < 30  # the 60 s pull timeout did not have to pass
+    finally:
+        cons.llm_engine.shutdown()
+        silent.close(0)
+        ctx.term()
+    assert [f for f in files if os.path.exists(f)] == []  # before: the killed rank's socket file stayed

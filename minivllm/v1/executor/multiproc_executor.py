@@ -364,6 +364,10 @@ class _ExecutorResources:
             h.worker_response_mq.close()
             if name:
                 _unlink_shm(name)
+            try:  # the worker bound its queue's ipc socket and unlinks it on exit; a killed one cannot
+                os.unlink(h.worker_response_mq.local_subscribe_addr.removeprefix("ipc://"))
+            except OSError:
+                pass
         if self.rpc_broadcast_mq is not None:
             self.rpc_broadcast_mq.close()
 
