@@ -189,6 +189,7 @@ def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
 
 
 def main() -> None:
+    global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ctx-min", type=int, default=512)
@@ -203,7 +204,6 @@ def main() -> None:
     ap.add_argument("--old-flags", nargs="+", default=["avx512f"],
                     help="CPU flags hidden for the 'old' CPU kernel row (default avx512f: the older paths)")
     args = ap.parse_args()
-    global HQ, HKV, D
     HQ, HKV, D = args.heads
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

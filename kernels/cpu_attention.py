@@ -782,12 +782,13 @@ def cpu_attention_available() -> bool:
 # %% ../nbs/kernels/02_cpu_attention.ipynb #3a323af6
 def cpu_attention_path(dtype: torch.dtype, head_size: int) -> str:
     """Name of the C function `unified_attention_cpu` runs for `dtype` and `head_size`, from the library's
-    symbols and `kernels.cpu_build.cpu_flags()` (read at each call, so `MINIVLLM_CPU_FLAGS` can hide a path):
+    symbols and `kernels.cpu_build.cpu_flags()` (`MINIVLLM_CPU_FLAGS`, read at each call, can hide a path):
     with `avx512f`, `avx512bw`, `avx512vl` and a head size that is a multiple of 16, the AVX-512 paths
     (a work item per KV head): `paged_attention_avx512_f32`, `paged_attention_avx512_bf16_dp` (also
     `avx512_bf16`) or `paged_attention_avx512_bf16`; else `paged_attention_f32_vec` (float32, head size
     64, built with AVX2 + FMA), `paged_attention_bf16_dp` (bfloat16 with `avx512_bf16`); else the generic
     `paged_attention_{f32,bf16,f16}`.
+    The choice is cached per (dtype, head size, `MINIVLLM_CPU_FLAGS` value): it is asked for every layer.
     Raises `RuntimeError` when the kernel is unavailable, `ValueError` for another dtype."""
     lib = load_cpu_attention_lib()
     if lib is None:
@@ -796,6 +797,13 @@ def cpu_attention_path(dtype: torch.dtype, head_size: int) -> str:
         )
     if dtype not in _SYMBOLS:
         raise ValueError(f"cpu_attention_path: dtype must be one of {list(_SYMBOLS)}; got {dtype}")
+    return _choose_path(dtype, head_size, os.environ.get("MINIVLLM_CPU_FLAGS", ""))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_path(dtype: torch.dtype, head_size: int, flags_env: str) -> str:
+    "`cpu_attention_path`'s choice; `flags_env` (the variable `cpu_flags()` reads) is only the cache key."
+    lib = load_cpu_attention_lib()
     flags = cpu_flags()
     avx512 = _AVX512_FLAGS <= flags and head_size % 16 == 0
     bf16_dp = "avx512_bf16" in flags
