@@ -359,3 +359,29 @@ def test_a_killed_worker_leaves_no_socket_file(llama, monkeypatch):
         silent.close(0)
         ctx.term()
     assert [f for f in files if os.path.exists(f)] == []  # before: the killed rank's socket file stayed
+
+
+def test_a_killed_lmcache_rank_leaves_no_lookup_socket(llama, monkeypatch):
+    """LMCache at TP=2: each rank's lookup server binds `minivllm-lmcache-<engine>-<rank>.sock` and removes it
+    on a clean exit; a SIGKILLed rank left its file (two such files from killed runs were in /tmp when this
+    pass began). The scheduler side, which knows every rank's path, removes them at shutdown."""
+    import signal
+
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
+        get_zmq_rpc_path_lmcache,
+    )
+
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    kvt = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"chunk_size": 16, "max_local_cpu_size": 0.01}}  # fmt: skip
+    llm = LLM(llama[0], tensor_parallel_size=2, **KW, kv_transfer_config=kvt)
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    files = [get_zmq_rpc_path_lmcache(engine_id, r).removeprefix("ipc://") for r in range(2)]
+    try:
+        assert _greedy(llm, PROMPTS) == llama[1] and all(os.path.exists(f) for f in files)
+        os.kill(llm.llm_engine.engine_core.engine_core.model_executor.workers[1].proc.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="died unexpectedly"):
+            _greedy(llm, PROMPTS)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [f for f in files if os.path.exists(f)] == []  # before: rank 1's file stayed

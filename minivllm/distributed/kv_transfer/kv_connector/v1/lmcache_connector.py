@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -673,7 +674,10 @@ def shutdown(self: LMCacheConnectorV1) -> None:
     if self._worker is not None:
         self._worker.shutdown()
     if self._scheduler is not None:
-        self._scheduler.lookup_client.close()
+        client = self._scheduler.lookup_client
+        client.close()
+        for c in getattr(client, "clients", [client]):  # a rank killed by a signal could not remove its file
+            Path(c.path.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 @patch(as_prop=True)
