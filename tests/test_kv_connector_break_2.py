@@ -385,3 +385,72 @@ def test_a_killed_lmcache_rank_leaves_no_lookup_socket(llama, monkeypatch):
     finally:
         llm.llm_engine.shutdown()
     assert [f for f in files if os.path.exists(f)] == []  # before: rank 1's file stayed
+
+
+# ---- 7. a writer killed mid-save leaves a temporary file: the next engine removes it ----
+
+_KILLED_WRITER = """
+import os, sys, time
+os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from minivllm import LLM, SamplingParams
+from minivllm.distributed.kv_transfer.kv_connector.v1 import example_connector
+
+
+def slow_save(tensors, filename, *args, **kwargs):
+    with open(filename, "wb") as f:
+        f.write(bytes(100))  # the first part reached the disk
+    print("SAVING", flush=True)
+    time.sleep(120)  # killed here
+
+
+example_connector.save_file = slow_save
+kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+       "kv_connector_extra_config": {"shared_storage_path": sys.argv[2]}}
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, block_size=16, kv_transfer_config=kvt)
+llm.generate([{"prompt_token_ids": list(range(5, 42))}], SamplingParams(max_tokens=2), use_tqdm=False)
+"""
+
+
+def test_a_killed_writers_temporary_file_is_swept(llama, tmp_path):
+    """ExampleConnector writes a temporary file and renames it; a worker killed in between (SIGKILL, a crash)
+    left `tmp*.tmp` in the shared folder forever (the LMCache disk tier sweeps its own). An engine starting
+    on the folder removes those older than `stale_tmp_s` (60 s; 0 here); a younger one may be another
+    engine's save in progress."""
+    import subprocess
+    import sys
+
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    script = tmp_path / "writer.py"
+    script.write_text(_KILLED_WRITER)
+    proc = subprocess.Popen([sys.executable, str(script), llama[0], str(storage)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "SAVING"
+    finally:
+        proc.kill()  # by its pid: the writer dies in mid-save
+        proc.wait(30)
+    assert [p.name for p in storage.iterdir() if p.name.endswith(".tmp")]  # what the killed writer left
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(storage), "stale_tmp_s": 0}}  # fmt: skip
+    llm = LLM(llama[0], **KW, kv_transfer_config=kvt)
+    llm.llm_engine.shutdown()
+    assert [p.name for p in storage.iterdir() if p.name.endswith(".tmp")] == []  # before: it stayed
+
+
+def test_ec_connector_sweeps_a_killed_writers_temporary_file(tmp_path):
+    "The same for ECExampleConnector, whose temporaries sit in each item's folder."
+    from types import SimpleNamespace
+
+    from minivllm.config import ECTransferConfig
+    from minivllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from minivllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+    item = tmp_path / "abc123"
+    item.mkdir()
+    stale, fresh = item / "tmpdead.tmp", item / "tmplive.tmp"
+    stale.write_bytes(bytes(100))
+    fresh.write_bytes(bytes(100))
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # an hour old: its writer is gone
+    ect = ECTransferConfig("ECExampleConnector", "ec_both", ec_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    ECExampleConnector(SimpleNamespace(ec_transfer_config=ect), ECConnectorRole.SCHEDULER)
+    assert (stale.exists(), fresh.exists()) == (False, True)  # before: both stayed

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from ....parallel_state import get_tensor_model_parallel_rank
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'example_connector_block_keys', 'safetensors_digest', 'ExampleConnectorMetadata', 'ExampleConnector']
+__all__ = ['logger', 'example_connector_block_keys', 'safetensors_digest', 'sweep_stale_tmp', 'ExampleConnectorMetadata',
+           'ExampleConnector']
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #1acc6013
 def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: int) -> list[str]:
@@ -55,6 +57,21 @@ def safetensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+def sweep_stale_tmp(folder: Path, older_than_s: float, pattern: str = "tmp*.tmp") -> int:
+    """Remove the files matching `pattern` in `folder` (the temporaries `tempfile.mkstemp` names here) older
+    than `older_than_s` seconds: a writer killed between writing and renaming left them, and nobody else
+    would. A younger one may be another engine's save in progress and is kept. Returns how many went."""
+    cutoff, n = time.time() - older_than_s, 0
+    for p in folder.glob(pattern):
+        try:
+            if p.is_file() and p.stat().st_mtime <= cutoff:
+                p.unlink()
+                n += 1
+        except OSError:  # renamed by its writer meanwhile, or not ours to remove
+            continue
+    return n
 
 
 @dataclass
@@ -84,6 +101,7 @@ class ExampleConnector(KVConnectorBase_V1):
     `kv_connector_extra_config["shared_storage_path"]` (default "local_storage"). One KV cache group only
     (`ValueError` otherwise). Under tensor parallelism each rank stores its own heads as
     `<key>.tp<rank>of<size>.safetensors`, and a block counts as stored when every rank's file exists.
+    `stale_tmp_s` (60): the scheduler side removes temporary files older than that (a killed writer's).
     Source: vLLM v0.15 distributed/kv_transfer/kv_connector/v1/example_connector.py `ExampleConnector`."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -91,6 +109,8 @@ class ExampleConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._storage = Path(extra.get("shared_storage_path", "local_storage"))
         self._storage.mkdir(parents=True, exist_ok=True)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine
+            sweep_stale_tmp(self._storage, float(extra.get("stale_tmp_s", 60.0)))
         self._block_size = vllm_config.cache_config.block_size
         mc = vllm_config.model_config
         self._model_tag = f"{mc.model}|{mc.dtype}|{self._block_size}"
