@@ -18,7 +18,8 @@ median catches the 4 ms scheduler ticks of a preempted OpenMP thread, the minimu
 Ratios are before / after (above 1: faster now). Prints the CPU flags and the load average around the run
 (run it on a quiet machine).
 
-    python benchmarks/cpu_attention_split.py [--baseline 689e33c] [--iters 30] [--threads 1 2]
+    python benchmarks/cpu_attention_split.py [--baseline 689e33c] [--iters 30] [--threads 1 2] [--median]
+        [--cases "decode 32" "decode 1,"] [--head-sizes 64]
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def case(name: str, query_lens: list[int], seq_lens: list[int], dtype: torch.dty
     return name, (q, kv[0], kv[1], cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, D**-0.5)
 
 
-def time_call(fn, args, iters: int, threads: int) -> float:
-    "Fastest of `iters` calls, in ms."
+def time_call(fn, args, iters: int, threads: int, median: bool = False) -> float:
+    "Fastest (or, with `median`, the median) of `iters` calls, in ms."
     q, kc, vc, qsl, sl, bt, scale = args
     out = torch.empty_like(q)
     for _ in range(3):
@@ -79,7 +80,7 @@ def time_call(fn, args, iters: int, threads: int) -> float:
         t = time.perf_counter()
         fn(q, kc, vc, out, qsl, sl, bt, scale, num_threads=threads)
         ts.append(time.perf_counter() - t)
-    return min(ts) * 1e3
+    return (sorted(ts)[len(ts) // 2] if median else min(ts)) * 1e3
 
 
 def main() -> None:
@@ -87,15 +88,21 @@ def main() -> None:
     ap.add_argument("--baseline", default="689e33c", help="git revision of the kernel to compare with")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--median", action="store_true", help="report medians instead of minima")
+    ap.add_argument(
+        "--cases", nargs="+", default=None, help="only the cases whose name starts with one of these"
+    )
+    ap.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128])
     args = ap.parse_args()
     before = baseline_module(args.baseline)
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
-    print(f"CPU flags: {' '.join(flags)}; load {os.getloadavg()}")
+    stat = "median" if args.median else "fastest"
+    print(f"CPU flags: {' '.join(flags)}; load {os.getloadavg()}; times: the {stat} of {args.iters} calls")
     print(f"{'case':40s} {'before':>9s} {'after':>9s} {'ratio':>6s} {'no-bf16':>9s} {'ratio':>6s}  path")
     no_dp = " ".join(f for f in cpu_flags() if f != "avx512_bf16")
     for threads in args.threads:
         for dtype in (torch.bfloat16, torch.float32):
-            for D in (64, 128):
+            for D in args.head_sizes:
                 cases = [
                     case("decode 1", [1], [4096], dtype, D),
                     case("decode 1, 2000", [1], [2000], dtype, D),
@@ -104,13 +111,17 @@ def main() -> None:
                     case("prefill 256", [256], [256], dtype, D),
                 ]
                 for name, call in cases:
-                    t_before = time_call(before.unified_attention_cpu, call, args.iters, threads)
-                    t_after = time_call(after.unified_attention_cpu, call, args.iters, threads)
+                    if args.cases and not name.startswith(tuple(args.cases)):
+                        continue
+                    t_before = time_call(before.unified_attention_cpu, call, args.iters, threads, args.median)
+                    t_after = time_call(after.unified_attention_cpu, call, args.iters, threads, args.median)
                     path = after.cpu_attention_path(dtype, D)
                     old_path = before.cpu_attention_path(dtype, D)
                     os.environ["MINIVLLM_CPU_FLAGS"] = no_dp
                     try:
-                        t_hidden = time_call(after.unified_attention_cpu, call, args.iters, threads)
+                        t_hidden = time_call(
+                            after.unified_attention_cpu, call, args.iters, threads, args.median
+                        )
                     finally:
                         del os.environ["MINIVLLM_CPU_FLAGS"]
                     label = f"{name}, {str(dtype)[6:]}, D={D}, {threads} thr"

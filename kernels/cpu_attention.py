@@ -396,7 +396,7 @@ static inline __m512 exp16_nonpos(__m512 x) {
 }
 /* One head's n scores sh in place -> the softmax numerators e_j = exp(s_j - m), rounded by ROUND16 (to bfloat16
    for 16-bit models, as ROUND_P); max m and the sum l of the unrounded e_j. pb (if not NULL): the rounded
-   weights as bfloat16 too, with a 0 after the last (pairs for the two-key P.V). */
+   weights stored as bfloat16 there instead, with a 0 after the last (pairs for the two-key P.V). */
 #define DEFINE_SOFTMAX16(NAME, ROUND16)                                                                     \
 static void NAME(float* sh, int n, float soft_cap, bf16_t* pb, float* m_out, float* l_out) {                \
     if (soft_cap > 0.f) for (int j = 0; j < n; j++) sh[j] = soft_cap * tanhf(sh[j] / soft_cap);            \
@@ -408,8 +408,8 @@ static void NAME(float* sh, int n, float soft_cap, bf16_t* pb, float* m_out, flo
         const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + j), _mm512_set1_ps(m)));   \
         const __m512 er = ROUND16(e);                                                                       \
         sum = _mm512_mask_add_ps(sum, k, sum, e);                                                           \
-        _mm512_mask_storeu_ps(sh + j, k, er);                                                               \
         if (pb) _mm256_mask_storeu_epi16(pb + j, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(er), 16))); \
+        else _mm512_mask_storeu_ps(sh + j, k, er);                                                          \
     }                                                                                                       \
     if (pb) pb[n] = 0;                                                                                      \
     *m_out = m; *l_out = _mm512_reduce_add_ps(sum);                                                         \
@@ -614,9 +614,25 @@ DEFINE_AVX512_ITEM(attend_avx512_bf16_dp, bf16_t, load16_bf16, 0, qk16_bf16_dp, 
 """  # noqa: E501
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #70ef2f05
-_AVX512_PLAN_SRC = r"""/* Fewer tokens than SPLIT_BELOW (a constant, so the plan never depends on the thread count): each token's
-   window in parts of ~256 keys (num_parts), merged afterwards, as in the generic driver. */
+_AVX512_PLAN_SRC = r"""/* The plan (plan_items' arrays; NULL when out of memory): each token's window in parts of ~256 keys
+   (num_parts), merged afterwards, when there are fewer than SPLIT_BELOW tokens, or when the parts of all of
+   them fit in PARTS_BYTES (long decodes: a part's K/V rows then stay in L2 while its KV heads are attended
+   one after the other); a token per item otherwise, or where no window has more than one part. Constants
+   only: the plan never depends on the thread count. */
 #define SPLIT_BELOW 16
+#define PARTS_BYTES ((int64_t)16 << 20)
+static int32_t* plan_avx512(const int32_t* qsl, const int32_t* seq_lens, int num_reqs, int T_tok, int window,
+                            const uint8_t* skip, int64_t stride, int* split) {
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * ((size_t)T_tok * 67 + 1));
+    if (!tok) return NULL;
+    int32_t *lo_of = tok + T_tok, *first = lo_of + T_tok, *item_tok = first + T_tok + 1;
+    plan_items(qsl, seq_lens, num_reqs, T_tok, window, skip, 1, tok, lo_of, first, item_tok);
+    int multi = 0;
+    for (int t = 0; t < T_tok && !multi; t++) multi = first[t + 1] - first[t] > 1;
+    *split = multi && (T_tok < SPLIT_BELOW || (int64_t)first[T_tok] * stride * (int64_t)sizeof(float) <= PARTS_BYTES);
+    if (!*split) plan_items(qsl, seq_lens, num_reqs, T_tok, window, skip, 0, tok, lo_of, first, item_tok);
+    return tok;
+}
 /* Keys a..b of item i, token t of request r (split: part i - first[t] of the token's window). */
 static inline int item_keys(const int32_t* qsl, const int32_t* seq_lens, const int32_t* lo_of, const int32_t* first,
                             int split, int64_t i, int t, int r, int* a) {
@@ -648,20 +664,20 @@ DEFINE_STORE_HEADS(store_heads_bf16, bf16_t, store16_bf16)
 """  # noqa: E501
 
 # %% ../nbs/kernels/02_cpu_attention.ipynb #30927d1e
-_AVX512_DRIVER_SRC = r"""/* Work item u: KV head u % Hkv of token (split: of part) u / Hkv, its G query heads together. */
+_AVX512_DRIVER_SRC = r"""/* Work item u: KV head u % Hkv of token (split: of part) u / Hkv, its G query heads together. A token in
+   one part (whole) is stored at once: the merge of one part would give the same bits. */
 #define DEFINE_AVX512_DRIVER(NAME, T, ITEM, MERGE, STORE_HEADS)                                             \
 int NAME(const T* q, const T* kc, const T* vc, T* out, const int32_t* qsl, const int32_t* seq_lens,         \
          const int32_t* bt, int64_t bt_stride, int num_reqs, int Hq, int Hkv, int D, int bs,                 \
          int64_t q_stride, int64_t out_stride, int64_t c_stride_block, int64_t c_stride_slot,              \
          float scale, int window, float soft_cap, int nthreads, const uint8_t* skip) {                       \
     if (Hq > MAX_HEADS || D > MAX_HEAD_SIZE || D % 16 || Hkv <= 0 || Hq % Hkv) return -1;                    \
-    const int G = Hq / Hkv, T_tok = qsl[num_reqs], split = T_tok < SPLIT_BELOW;                              \
+    const int G = Hq / Hkv, T_tok = qsl[num_reqs]; const int64_t stride = (int64_t)Hq * (D + 2); int split;   \
     if (T_tok <= 0) return 0;                                                                                \
-    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * ((size_t)T_tok * (split ? 67 : 3) + 1));              \
+    int32_t* tok = plan_avx512(qsl, seq_lens, num_reqs, T_tok, window, skip, stride, &split);               \
     if (!tok) return -2;                                                                                     \
     int32_t *lo_of = tok + T_tok, *first = lo_of + T_tok, *item_tok = first + T_tok + 1;                     \
-    plan_items(qsl, seq_lens, num_reqs, T_tok, window, skip, split, tok, lo_of, first, item_tok);            \
-    const int64_t n_items = split ? first[T_tok] : T_tok, stride = (int64_t)Hq * (D + 2);                    \
+    const int64_t n_items = split ? first[T_tok] : T_tok;                                                    \
     float* parts = split ? (float*)malloc(sizeof(float) * (size_t)(n_items * stride + 1)) : NULL;            \
     if (split && !parts) { free(tok); return -2; }                                                           \
     const int chunk = T_tok >= 4 * nthreads ? Hkv : 1;                                                       \
@@ -674,7 +690,7 @@ int NAME(const T* q, const T* kc, const T* vc, T* out, const int32_t* qsl, const
         _Pragma("omp for schedule(dynamic, chunk)")                                                          \
         for (int64_t u = 0; u < n_items * Hkv; u++) {                                                        \
             const int64_t i = u / Hkv; const int kvh = (int)(u % Hkv);                                       \
-            const int t = split ? item_tok[i] : (int)i, r = tok[t];                                          \
+            const int t = split ? item_tok[i] : (int)i, r = tok[t], whole = !split || first[t + 1] - first[t] == 1; \
             if (!split && skip && skip[r]) continue;                                                         \
             int a; const int n = item_keys(qsl, seq_lens, lo_of, first, split, i, t, r, &a) - a + 1;        \
             const int64_t ps = (n + 16) & ~15;                                                               \
@@ -685,18 +701,18 @@ int NAME(const T* q, const T* kc, const T* vc, T* out, const int32_t* qsl, const
             if (!s || !off || !buf) { cap = 0; err = -2; continue; }                                         \
             if (last != i) key_offsets(bt + (int64_t)r * bt_stride, a, n, bs, c_stride_block, c_stride_slot, off); \
             last = i;                                                                                        \
-            float* m = split ? parts + i * stride + (int64_t)kvh * G : buf + (size_t)G * D;                  \
-            float* l = split ? m + Hq : m + G;                                                               \
-            float* acc = split ? parts + i * stride + 2 * Hq + (int64_t)kvh * G * D : l + G;                 \
+            float* m = whole ? buf + (size_t)G * D : parts + i * stride + (int64_t)kvh * G;                  \
+            float* l = whole ? m + G : m + Hq;                                                               \
+            float* acc = whole ? l + G : parts + i * stride + 2 * Hq + (int64_t)kvh * G * D;                 \
             ITEM(q + (int64_t)t * q_stride + (int64_t)kvh * G * D, kc, vc, off, (int64_t)kvh * D, n, G, D, scale, \
                  soft_cap, s, (bf16_t*)(s + cap * G), ps, buf, m, l, acc);                                   \
-            if (!split) STORE_HEADS(out + (int64_t)t * out_stride + (int64_t)kvh * G * D, acc, l, G, D);      \
+            if (whole) STORE_HEADS(out + (int64_t)t * out_stride + (int64_t)kvh * G * D, acc, l, G, D);       \
         }                                                                                                    \
         _Pragma("omp for schedule(static)")                                                                  \
         for (int64_t i = 0; i < (split ? (int64_t)T_tok * Hq : 0); i++) {                                    \
             const int t = (int)(i / Hq), h = (int)(i % Hq);                                                  \
             if (!buf) { err = -2; continue; }                                                                \
-            if (first[t + 1] > first[t])                                                                     \
+            if (first[t + 1] - first[t] > 1)                                                                 \
                 MERGE(parts, stride, first[t], first[t + 1], h, Hq, D, out + (int64_t)t * out_stride + (int64_t)h * D, buf); \
         }                                                                                                    \
         free(s); free(off); free(buf);                                                                       \

@@ -7,7 +7,8 @@ the generic loops. Each against the torch reference backend on random paged step
 many (prompts and decodes mixed), 32 decodes, windows and soft-caps, GQA groups of 1 to 8, head sizes 16 to
 256 (80 and 96 end in masked pieces; 24 has no AVX-512 path and falls back). The AVX-512 paths give the same
 bits on 1, 2 or 3 threads for every step (their split depends on the token count only); `skip_reqs` rows stay
-untouched; a library built with `avx512_bf16` hidden has none of its functions.
+untouched; many long decodes are split too; a library built with `avx512_bf16` hidden has none of its
+functions.
 A path this CPU cannot run is skipped, naming the missing flag.
 """
 
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FEW = dict(query_lens=[1, 1, 3], seq_lens=[700, 17, 40])  # 5 tokens: split-K (700 keys: 3 parts)
 MANY = dict(query_lens=[9, 7, 1, 1, 1], seq_lens=[9, 27, 33, 16, 5])  # 19 tokens: prompts, a chunk, decodes
 DECODE32 = dict(query_lens=[1] * 32, seq_lens=[104 + i % 8 for i in range(32)])  # SmolLM2's decode batch
+LONG17 = dict(query_lens=[1] * 15 + [3, 2], seq_lens=[300 + 37 * i for i in range(17)])  # 17 tokens, long
 SHAPES = dict(few=FEW, many=MANY, decode32=DECODE32)
 AVX512 = {"avx512f", "avx512bw", "avx512vl"}
 BF16_DP = "paged_attention_bf16_dp"
@@ -160,12 +162,22 @@ def test_split_does_not_change_the_result(path, monkeypatch):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("path", NEW_PATHS)
+def test_many_long_tokens_are_split_too(path, D, monkeypatch):
+    "15 decodes and 2 short chunks of 300-900 keys: over 16 tokens, but the parts fit 16 MiB, so split-K too."
+    dtype = _select(path, D, monkeypatch)
+    q, cache, cm, ref = _step(**LONG17, D=D, dtype=dtype, seed=D + 1)
+    out = _attend(q, cache, cm, D, num_threads=2)
+    assert _max_error(out, ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "long17"])
 @pytest.mark.parametrize("path", NEW_PATHS)
 def test_avx512_paths_do_not_depend_on_the_thread_count(path, shape, monkeypatch):
-    "Their split depends on the token count alone: 5 tokens are split on one thread as on three."
+    "Their split depends on the step alone: 5 tokens are split on one thread as on three."
     dtype = _select(path, 64, monkeypatch)
-    q, cache, cm, _ = _step(**SHAPES[shape], D=64, dtype=dtype, seed=4)
+    q, cache, cm, _ = _step(**{**SHAPES, "long17": LONG17}[shape], D=64, dtype=dtype, seed=4)
     outs = [_attend(q, cache, cm, 64, num_threads=n) for n in (1, 2, 3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
