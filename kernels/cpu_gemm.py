@@ -165,11 +165,12 @@ int gemm_bf16_dp(const bf16_t* x0, int64_t M, int64_t K, int64_t x_stride, const
     #pragma omp parallel num_threads(nthreads)
     {
     const int T = omp_get_num_threads();
-    for (int64_t g = omp_get_thread_num(); g < NG; g += T) {  /* 3 panels, reused from L2 by every 8-row tile */
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < NG; g++) {  /* 3 panels, reused from L2 by every 8-row tile */
         const int64_t nb0 = g * DP_NP;
         const int np = NB - nb0 < DP_NP ? (int)(NB - nb0) : DP_NP;
         const bf16_t* p = wp + nb0 * K2 * 32;
-        const int64_t next = (g + T) * DP_NP;  /* this thread's next group: its panels stream in meanwhile */
+        const int64_t next = (g + T) * DP_NP;  /* likely this thread's next group: streamed in meanwhile */
         for (int64_t m0 = 0; m0 < M; m0 += DP_MR) {
             const int mr = M - m0 < DP_MR ? (int)(M - m0) : DP_MR;
             const bf16_t* xm = x + m0 * xs;
