@@ -60,8 +60,12 @@ class P2pZmqConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, tuple[list[int], float]] = field(default_factory=dict)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2914bad3
+_MAX_REMOTE_TP_SIZE = 64  # producer ranks one consumer rank may tell DONE (3 ZeroMQ sockets each)
+
+
 def _valid_remote_params(params: dict) -> bool:
-    "The consumer-side keys have the types a pull needs (they come from a client: never trusted)."
+    """The consumer-side keys have the types a pull needs (they come from a client: never trusted). `tp_size`
+    is at most `_MAX_REMOTE_TP_SIZE`, and every rank's port `remote_port + r` is a port."""
     ids = params.get("remote_block_ids")
     port = params.get("remote_port")
     tp_size = params.get("tp_size", 1)
@@ -76,7 +80,8 @@ def _valid_remote_params(params: dict) -> bool:
         and isinstance(params.get("remote_engine_id", ""), str)
         and isinstance(tp_size, int)
         and not isinstance(tp_size, bool)
-        and 0 < tp_size <= 4096
+        and 0 < tp_size <= _MAX_REMOTE_TP_SIZE
+        and port + tp_size <= 65536
     )
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #c03e2c57
@@ -448,7 +453,12 @@ def _open_peer(self: P2pZmqConnectorWorker, addr: str) -> _Peer:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)  # a larger frame drops the peer, unstored
     events = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
-    peer = _Peer(addr, sock, sock.get_monitor_socket(events))
+    try:
+        monitor = sock.get_monitor_socket(events)
+    except zmq.ZMQError:  # out of sockets: the DEALER must not stay open, unowned, for good
+        sock.close(linger=0)
+        raise
+    peer = _Peer(addr, sock, monitor)
     try:
         sock.connect(addr)
     except zmq.ZMQError:  # not an address at all (a client's host string): the caller fails the pull
