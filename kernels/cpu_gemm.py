@@ -330,18 +330,21 @@ def make_cpu_gemm_linear(weight: torch.Tensor):
     packed_ptr = packed.data_ptr()
 
     def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        fits = x.dtype == dtype and x.shape[-1] == K and x.device.type == "cpu"
-        if not fits or (
-            bias is not None
-            and (
-                bias.dtype != dtype or bias.shape != (n,) or bias.stride(0) != 1 or bias.device.type != "cpu"
-            )
-        ):
+        if not _call_fits(x, bias, dtype, K, n):
             return cpu_gemm(x, packed, n, bias)  # raises the full error
         return _launch(fn, x, K, packed_ptr, n, bias)
 
     linear.packed = packed
     return linear
+
+
+def _call_fits(x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, K: int, n: int) -> bool:
+    "The per-call checks of a packed linear: x (..., K) of `dtype` on the CPU, bias None or (n,) contiguous."
+    if x.dtype != dtype or x.shape[-1] != K or x.device.type != "cpu":
+        return False
+    return bias is None or (
+        bias.dtype == dtype and bias.shape == (n,) and bias.stride(0) == 1 and bias.device.type == "cpu"
+    )
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #17cac7f7
 def pack_weight_bf16_dp(weight: torch.Tensor) -> torch.Tensor:
@@ -412,10 +415,7 @@ def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor):
     packed_ptr = packed.data_ptr()
 
     def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        fits = x.dtype == torch.bfloat16 and x.shape[-1] == K and x.device.type == "cpu"
-        if not fits or (
-            bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or bias.stride(0) != 1)
-        ):
+        if not _call_fits(x, bias, torch.bfloat16, K, n):
             return cpu_gemm_bf16_dp(x, packed, n, bias)  # raises the full error
         return _launch(fn, x, K, packed_ptr, n, bias)
 
