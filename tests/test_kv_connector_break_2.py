@@ -58,6 +58,25 @@ def llama(tmp_path_factory):
         llm.llm_engine.shutdown()
 
 
+def _store_one_damaged_block(path, kw, connector, tmp_path, first) -> dict:
+    """Store `first`'s one block through `connector` in `tmp_path`, flip one bit of it on the disk; returns
+    the kv_transfer_config that reads it back."""
+    if connector == "ExampleConnector":
+        extra, pattern = {"shared_storage_path": str(tmp_path)}, "*.safetensors"
+    else:
+        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(tmp_path), "max_local_disk_size": 0.01}
+        pattern = "*.kvchunk"
+    kvt = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    llm = LLM(path, **kw, kv_transfer_config=kvt)
+    _greedy(llm, [first])
+    llm.llm_engine.shutdown()
+    (stored,) = tmp_path.glob(pattern)
+    raw = bytearray(stored.read_bytes())
+    raw[-3] ^= 0x10  # one bit of the stored block flipped on the disk
+    stored.write_bytes(bytes(raw))
+    return kvt
+
+
 def _sp(params=None, max_tokens=MAX_TOKENS):
     extra = {"kv_transfer_params": params} if params is not None else None
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
@@ -261,19 +280,7 @@ def test_a_failed_load_stores_nothing_computed_on_it(llama, tmp_path, connector)
     ref = LLM(path, **KW)
     want = _greedy(ref, [longer])
     ref.llm_engine.shutdown()
-    if connector == "ExampleConnector":
-        extra, pattern = {"shared_storage_path": str(tmp_path)}, "*.safetensors"
-    else:
-        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(tmp_path), "max_local_disk_size": 0.01}
-        pattern = "*.kvchunk"
-    kvt = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    llm = LLM(path, **KW, kv_transfer_config=kvt)
-    _greedy(llm, [first])
-    llm.llm_engine.shutdown()
-    (stored,) = tmp_path.glob(pattern)
-    raw = bytearray(stored.read_bytes())
-    raw[-3] ^= 0x10  # one bit of the stored block flipped on the disk
-    stored.write_bytes(bytes(raw))
+    kvt = _store_one_damaged_block(path, KW, connector, tmp_path, first)
     got = []
     for _ in range(3):  # the damaged load (recomputed), then two runs that load what was stored
         llm = LLM(path, **KW, kv_transfer_config=kvt)
@@ -297,19 +304,7 @@ def test_a_prefix_hit_on_a_failed_load_stores_nothing(llama, tmp_path, connector
     ref = LLM(path, **kw)
     want = _greedy(ref, pair)
     ref.llm_engine.shutdown()
-    if connector == "ExampleConnector":
-        extra, pattern = {"shared_storage_path": str(tmp_path)}, "*.safetensors"
-    else:
-        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(tmp_path), "max_local_disk_size": 0.01}
-        pattern = "*.kvchunk"
-    kvt = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    llm = LLM(path, **kw, kv_transfer_config=kvt)
-    _greedy(llm, [first])
-    llm.llm_engine.shutdown()
-    (stored,) = tmp_path.glob(pattern)
-    raw = bytearray(stored.read_bytes())
-    raw[-3] ^= 0x10
-    stored.write_bytes(bytes(raw))
+    kvt = _store_one_damaged_block(path, kw, connector, tmp_path, first)
     got = []
     for prompts in (pair, pair[:1], pair[1:]):  # both in one step (recomputed), then each alone, loaded
         llm = LLM(path, **kw, kv_transfer_config=kvt)
