@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import tempfile
 import time
@@ -32,8 +33,8 @@ from ....parallel_state import get_tensor_model_parallel_rank
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'example_connector_block_keys', 'safetensors_digest', 'sweep_stale_tmp', 'ExampleConnectorMetadata',
-           'ExampleConnector']
+__all__ = ['logger', 'MIN_STALE_TMP_S', 'example_connector_block_keys', 'safetensors_digest', 'stale_tmp_seconds',
+           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'ExampleConnector']
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #1acc6013
 def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: int) -> list[str]:
@@ -57,6 +58,24 @@ def safetensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+MIN_STALE_TMP_S = 10.0  # a save in progress (one block's file) is far younger than this
+
+
+def stale_tmp_seconds(extra: dict, config_name: str, default: float = 60.0) -> float:
+    """`extra["stale_tmp_s"]` (a connector's extra config, `config_name` for the message) as a float of
+    seconds, `default` when absent. Raises `ValueError` naming the field unless it is a finite number >=
+    `MIN_STALE_TMP_S` (10): a younger temporary may be another engine's save in progress, and 0 or a negative
+    age would delete those files under their writers."""
+    value = extra.get("stale_tmp_s", default)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < MIN_STALE_TMP_S:
+        raise ValueError(
+            f"{config_name}['stale_tmp_s'] must be a number of seconds >= {MIN_STALE_TMP_S:g} "
+            f"(temporaries younger than that may be saves in progress); got {value!r}"
+        )
+    return float(value)
 
 
 def sweep_stale_tmp(folder: Path, older_than_s: float, pattern: str = "tmp*.tmp") -> int:
@@ -101,7 +120,8 @@ class ExampleConnector(KVConnectorBase_V1):
     `kv_connector_extra_config["shared_storage_path"]` (default "local_storage"). One KV cache group only
     (`ValueError` otherwise). Under tensor parallelism each rank stores its own heads as
     `<key>.tp<rank>of<size>.safetensors`, and a block counts as stored when every rank's file exists.
-    `stale_tmp_s` (60): the scheduler side removes temporary files older than that (a killed writer's).
+    `stale_tmp_s` (60, at least 10): the scheduler side removes temporary files older than that (a killed
+    writer's); `ValueError` names the field otherwise.
     Source: vLLM v0.15 distributed/kv_transfer/kv_connector/v1/example_connector.py `ExampleConnector`."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -110,7 +130,7 @@ class ExampleConnector(KVConnectorBase_V1):
         self._storage = Path(extra.get("shared_storage_path", "local_storage"))
         self._storage.mkdir(parents=True, exist_ok=True)
         if role == KVConnectorRole.SCHEDULER:  # once per engine
-            sweep_stale_tmp(self._storage, float(extra.get("stale_tmp_s", 60.0)))
+            sweep_stale_tmp(self._storage, stale_tmp_seconds(extra, "kv_connector_extra_config"))
         self._block_size = vllm_config.cache_config.block_size
         mc = vllm_config.model_config
         self._model_tag = f"{mc.model}|{mc.dtype}|{self._block_size}"
