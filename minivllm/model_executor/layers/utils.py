@@ -180,9 +180,11 @@ _CHOICES: dict[tuple, tuple[str, ...]] = {}
 
 def cpu_gemm_cache_path():
     """The JSON file of measured choices for this CPU model, the flags in view, the thread count, the torch
-    version, `MINIVLLM_CPU_ONEDNN_GEMM`, whether a C compiler is present, the timing method (cold caches)
-    and the kinds timed: `<kernel_cache_dir()>/../gemm/choices-<hash>.json` (`MINIVLLM_CACHE_DIR` moves
-    it)."""
+    version, `MINIVLLM_CPU_ONEDNN_GEMM`, whether a C compiler is present, the timing method (cold caches),
+    the kinds timed and the C kernels' source: `<kernel_cache_dir()>/../gemm/choices-<hash>.json`
+    (`MINIVLLM_CACHE_DIR` moves it)."""
+    from kernels.cpu_gemm import CPU_GEMM_SRC
+
     key = "\0".join(
         [
             _cpu_model(),
@@ -193,6 +195,7 @@ def cpu_gemm_cache_path():
             "cc=" + str(find_c_compiler() is not None),
             "timing=cold",  # tables timed hot (before `evict_cpu_caches`) are not read
             "kinds=" + ",".join(CPU_GEMM_KINDS),  # a table measured before a kind existed is measured again
+            "kernels=" + hashlib.sha256(CPU_GEMM_SRC.encode()).hexdigest()[:12],  # and one of changed kernels
         ]
     )
     return (
