@@ -204,14 +204,14 @@ _FW_SRC = r"""
 #define FW_ST1(r, acc, j) { const int64_t n0 = (nb0 + (j)) * 16; if (np > (j) && n0 < N) {                      \
     const __mmask16 mk = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1); __m512 v = acc;  \
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias + n0));                                     \
-    _mm512_mask_storeu_ps(y + (int64_t)(r) * ys + n0, mk, v); } }
+    _mm512_mask_storeu_ps(y + (int64_t)(r) * ys + n0 - c0, mk, v); } }
 #define FW_ST(r) if (mr > r) { FW_ST1(r, e##r##0, 0) FW_ST1(r, e##r##1, 1) FW_ST1(r, e##r##2, 2) }
 
-/* y[r, 16 nb0 : 16 (nb0 + np)] for r < mr (<= 8 rows, np <= 3 panels (K, 16), K * 16 apart); pf[0..2]:
-   panels to prefetch into L2 meanwhile, one 64-byte line per k each (NULL: none). */
+/* y[r, 16 nb0 - c0 : 16 (nb0 + np) - c0] for r < mr (<= 8 rows, np <= 3 panels (K, 16), K * 16 apart);
+   pf[0..2]: panels to prefetch into L2 meanwhile, one 64-byte line per k each (NULL: none). */
 static inline __attribute__((always_inline)) void tile_fw(const float* x, int64_t xs, const float* p,
         int64_t K, const int mr, const int np, float* y, int64_t ys, int64_t nb0, int64_t N, const float* bias,
-        const float* const* pf) {
+        const float* const* pf, int64_t c0) {
     FW_ROWS(FW_DECL)
     for (int64_t k = 0; k < K; k++) {
         for (int i = 0; i < 3; i++) if (pf[i]) _mm_prefetch((const char*)(pf[i] + k * 16), _MM_HINT_T1);
@@ -223,9 +223,11 @@ static inline __attribute__((always_inline)) void tile_fw(const float* x, int64_
     FW_ROWS(FW_ST)
 }
 
-#define FW_NP_CASE(R) case R: if (np == 3) tile_fw(xm, xs, p, K, R, 3, ym, N, nb0, N, bias, pf);                  \
-    else if (np == 2) tile_fw(xm, xs, p, K, R, 2, ym, N, nb0, N, bias, pf);                                      \
-    else tile_fw(xm, xs, p, K, R, 1, ym, N, nb0, N, bias, pf); break;
+#define FW_NP_CASE(R) case R: if (np == 3) tile_fw(xm, xs, p, K, R, 3, ym, ys, nb0, N, bias, pf, c0);             \
+    else if (np == 2) tile_fw(xm, xs, p, K, R, 2, ym, ys, nb0, N, bias, pf, c0);                                 \
+    else tile_fw(xm, xs, p, K, R, 1, ym, ys, nb0, N, bias, pf, c0); break;
+#define FW_SWITCH switch (mr) { FW_NP_CASE(8) FW_NP_CASE(7) FW_NP_CASE(6) FW_NP_CASE(5) FW_NP_CASE(4) FW_NP_CASE(3) \
+    FW_NP_CASE(2) FW_NP_CASE(1) }
 
 /* gemm_f32 with AVX-512 tiles of 8 rows x 48 columns over the same packed panels (ceil(N/16), K, 16). */
 int gemm_f32_avx512(const float* x, int64_t M, int64_t K, int64_t xs, const float* wp, int64_t N,
@@ -244,15 +246,61 @@ int gemm_f32_avx512(const float* x, int64_t M, int64_t K, int64_t xs, const floa
             const int mr = M - m0 < FW_MR ? (int)(M - m0) : FW_MR;
             const float* xm = x + m0 * xs;
             float* ym = y + m0 * N;
+            const int64_t ys = N, c0 = 0;
             const int64_t ti = m0 / FW_MR;  /* tiles 1..MT-1 share the prefetch of the next group's 3 panels */
             const float* pf[3] = {NULL, NULL, NULL};
             for (int i = 0; i < 3 && ti >= 1; i++)
                 if (i % (MT - 1) == ti - 1 && next + i < NB) pf[i] = wp + (next + i) * K * 16;
-            switch (mr) { FW_NP_CASE(8) FW_NP_CASE(7) FW_NP_CASE(6) FW_NP_CASE(5) FW_NP_CASE(4) FW_NP_CASE(3) FW_NP_CASE(2) FW_NP_CASE(1) }
+            FW_SWITCH
         }
     }
     }
     return 0;
+}
+
+/* gemm_bf16 with the same tile: each thread widens a group's 3 panels to float32 once (every 8-row tile then
+   reads them from L2), and rounds its tile's float32 sums, bias added, to bfloat16 once: bit-identical to
+   gemm_bf16. Up to 6 rows it is gemm_bf16 itself (widening the panels would cost more than it saves). */
+int gemm_bf16_avx512(const bf16_t* xb, int64_t M, int64_t K, int64_t x_stride, const bf16_t* wp, int64_t N,
+                     const bf16_t* bias_b, bf16_t* y, int nthreads) {
+    if (M <= MR) return gemm_bf16(xb, M, K, x_stride, wp, N, bias_b, y, nthreads);
+    const int64_t NB = (N + 15) / 16, NG = (NB + FW_NP - 1) / FW_NP, xs = K;
+    float* x = malloc(sizeof(float) * (M * K + (bias_b ? N : 0)));
+    if (!x) return -1;
+    float* bias = bias_b ? x + M * K : NULL;
+    for (int64_t m = 0; m < M; m++) for (int64_t k = 0; k < K; k++) x[m * K + k] = bf16_load(xb[m * x_stride + k]);
+    for (int64_t n = 0; bias && n < N; n++) bias[n] = bf16_load(bias_b[n]);
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+    float* buf = aligned_alloc(64, sizeof(float) * FW_NP * K * 16);
+    float out[FW_MR * FW_NP * 16];
+    if (!buf) {
+        #pragma omp atomic write
+        failed = 1;
+    }
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < NG; g++) {
+        if (!buf) continue;
+        const int64_t nb0 = g * FW_NP, c0 = nb0 * 16, ys = FW_NP * 16;
+        const int np = NB - nb0 < FW_NP ? (int)(NB - nb0) : FW_NP;
+        const int64_t cols = N - c0 < np * 16 ? N - c0 : np * 16;
+        for (int64_t i = 0; i < np * K * 16; i += 8) _mm256_storeu_ps(buf + i, widen8(wp + c0 * K + i));
+        const float* p = buf;
+        const float* pf[3] = {NULL, NULL, NULL};
+        for (int64_t m0 = 0; m0 < M; m0 += FW_MR) {
+            const int mr = M - m0 < FW_MR ? (int)(M - m0) : FW_MR;
+            const float* xm = x + m0 * xs;
+            float* ym = out;
+            FW_SWITCH
+            for (int r = 0; r < mr; r++)
+                for (int64_t j = 0; j < cols; j++) y[(m0 + r) * N + c0 + j] = bf16_store(out[r * ys + j]);
+        }
+    }
+    free(buf);
+    }
+    free(x);
+    return failed ? -1 : 0;
 }
 #endif
 """  # noqa: E501
@@ -277,20 +325,27 @@ def load_cpu_gemm_lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in [*(f"gemm_{suf}" for suf in _SUFFIX.values()), "gemm_bf16_dp", "gemm_f32_avx512"]:
+    for name in [
+        *(f"gemm_{suf}" for suf in _SUFFIX.values()),
+        "gemm_bf16_dp",
+        "gemm_f32_avx512",
+        "gemm_bf16_avx512",
+    ]:
         if not hasattr(lib, name):
-            continue  # gemm_bf16_dp / gemm_f32_avx512: only where the compiler targets AVX512-BF16 / F
+            continue  # gemm_bf16_dp / gemm_*_avx512: only where the compiler targets AVX512-BF16 / F
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = INT, [P, I64, I64, I64, P, I64, P, P, INT]
     return lib
 
 
 def _gemm_fn(lib: ctypes.CDLL, dtype: torch.dtype):
-    """The C driver for `dtype`: `gemm_f32_avx512` for float32 where the library has it and `cpu_flags()`
-    shows `avx512f` (read at each call: `MINIVLLM_CPU_FLAGS` can hide it), else `gemm_f32` / `gemm_bf16`."""
-    if dtype == torch.float32 and hasattr(lib, "gemm_f32_avx512") and "avx512f" in cpu_flags():
-        return lib.gemm_f32_avx512
-    return getattr(lib, f"gemm_{_SUFFIX[dtype]}")
+    """The C driver for `dtype`: `gemm_f32_avx512` / `gemm_bf16_avx512` where the library has it and
+    `cpu_flags()` shows `avx512f` (read at each call: `MINIVLLM_CPU_FLAGS` can hide it), else `gemm_f32` /
+    `gemm_bf16`."""
+    name = f"gemm_{_SUFFIX[dtype]}"
+    if hasattr(lib, name + "_avx512") and "avx512f" in cpu_flags():
+        return getattr(lib, name + "_avx512")
+    return getattr(lib, name)
 
 
 def use_cpu_gemm(dtype: torch.dtype) -> bool:
