@@ -154,12 +154,17 @@ class _DamagedFile(ValueError):
 
 
 @patch
-def _read_checked(self: ECExampleConnector, path: Path) -> torch.Tensor:
+def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch.Tensor:
     """`path`'s `ec_cache` tensor. `FileNotFoundError` if it is gone; `_DamagedFile` or `SafetensorError` (a
-    header cut short or forged, no `ec_cache`) unless it is a regular file whose checksum matches."""
+    header cut short or forged, no `ec_cache`) unless it is a regular file whose checksum matches;
+    `ValueError` if its header's shape is not (`num_token`, hidden), checked before it is read."""
     if path.exists() and not path.is_file():  # a FIFO would block the read until someone writes to it
         raise _DamagedFile("not a regular file")
     with safe_open(str(path), "pt") as f:
+        shape = f.get_slice("ec_cache").get_shape()
+        if len(shape) != 2 or shape[0] != num_token or shape[1] != (self._hidden_size or shape[1]):
+            # a planted header may claim gigabytes: never read more than the expected rows
+            raise ValueError(f"shape {tuple(shape)}, expected ({num_token}, {self._hidden_size or 'hidden'})")
         digest = (f.metadata() or {}).get("sha256")
         tensor = f.get_tensor("ec_cache")
     if digest != safetensors_digest({"ec_cache": tensor}):
@@ -173,12 +178,7 @@ def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
     of the wrong shape for this model (left for the model it fits)."""
     path = self._generate_filename_debug(mm.mm_hash)
     try:
-        tensor = self._read_checked(path)
-        width_ok = self._hidden_size is None or (tensor.dim() == 2 and tensor.shape[1] == self._hidden_size)
-        if tensor.dim() != 2 or tensor.shape[0] != mm.num_token or not width_ok:
-            raise ValueError(
-                f"shape {tuple(tensor.shape)}, expected ({mm.num_token}, {self._hidden_size or 'hidden'})"
-            )
+        tensor = self._read_checked(path, mm.num_token)
     except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as e:
         damaged = isinstance(e, (_DamagedFile, SafetensorError))
         logger.warning(

@@ -128,6 +128,7 @@ class Scheduler:
         self.failed_recving_kv_req_ids: set[str] = set()  # async loads that reported invalid blocks
         self.delayed_free_req_ids: set[str] = set()  # finished, blocks kept until finished_sending
         self.kv_load_failed_req_ids: set[str] = set()  # never asked the connector again
+        self._outputs_to_drop: dict[str, int] = {}  # async: steps in flight on a context that failed to load
         # multimodal: encoder cache accounting and the per-step encoder budget (section "Encoder inputs")
         self.encoder_cache_manager, self.max_num_encoder_input_tokens, self.disable_chunked_mm_input = (
             make_encoder_cache_manager(vllm_config)
@@ -207,6 +208,7 @@ def _free_request(self: Scheduler, request: Request) -> dict | None:
     unless the KV connector keeps them for an asynchronous send (`delay_free`). Returns the connector's
     `kv_transfer_params` for the request's output (None without a connector)."""
     assert request.is_finished()
+    self._outputs_to_drop.pop(request.request_id, None)
     self.encoder_cache_manager.free(request)
     if self.ec_connector is not None:
         self.ec_connector.request_finished(request)
@@ -833,6 +835,8 @@ def update_from_output(
     sampled = model_runner_output.sampled_token_ids
     kv_out = model_runner_output.kv_connector_output
     failed_loads = self._handle_invalid_blocks(kv_out.invalid_block_ids) if kv_out else set()
+    if failed_loads:
+        self._forget_placeholders(failed_loads, scheduler_output, model_runner_output)
     if kv_out is not None and kv_out.kv_connector_stats:
         self._add_kv_connector_stats(kv_out.kv_connector_stats)
     outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
@@ -842,6 +846,9 @@ def update_from_output(
         if request is None or request.is_finished() or rid in failed_loads:
             continue  # aborted while the step ran, or recomputed next step
         req_index = model_runner_output.req_id_to_index[rid]
+        if sampled and len(sampled[req_index]) and self._outputs_to_drop.get(rid):
+            self._outputs_to_drop[rid] -= 1  # scheduled before its failed load was known: computed on it
+            continue
         if request.has_encoder_inputs:
             self._free_encoder_inputs(request)
         if rid in self._grammar_dead_ends:
@@ -1057,7 +1064,34 @@ def _handle_invalid_blocks(self: Scheduler, invalid_block_ids: set[int]) -> set[
             self.failed_recving_kv_req_ids.add(request.request_id)
         else:
             affected.add(request.request_id)
+    # a block whose request was aborted (or preempted) while the step ran is held by no request above, yet
+    # cached under the hash of KV it never received: the next prompt with that prefix would attend to it
+    pool = self.kv_cache_manager.block_pool
+    pool.evict_blocks(b for b in invalid_block_ids if 0 <= b < pool.num_gpu_blocks)
     return affected
+
+
+@patch
+def _forget_placeholders(
+    self: Scheduler,
+    failed: set[str],
+    scheduler_output: SchedulerOutput,
+    model_runner_output: ModelRunnerOutput,
+) -> None:
+    """Async scheduling: requests rolled back by a failed load (`failed`) may have later steps in flight,
+    scheduled on the context that failed. Their placeholders start over, and the tokens those steps sample
+    (one per placeholder beyond this step's) are dropped when they arrive (`_outputs_to_drop`). Without
+    placeholders (synchronous scheduling) nothing changes.
+    Source: vLLM PR 45430 (`async_tokens_to_discard`, after v0.15)."""
+    sampled = model_runner_output.sampled_token_ids
+    for rid in failed:
+        request = self.requests[rid]
+        index = model_runner_output.req_id_to_index.get(rid)
+        this_step = int(bool(sampled) and index is not None and len(sampled[index]) > 0)
+        later = request.num_output_placeholders - this_step
+        request.num_output_placeholders = 0
+        if later > 0:
+            self._outputs_to_drop[rid] = self._outputs_to_drop.get(rid, 0) + later
 
 
 @patch

@@ -272,15 +272,22 @@ class _DamagedFile(ValueError):
 def _load_block(self: ExampleConnector, key: str, block_id: int) -> None:
     """Copy `key`'s file into block `block_id` of every layer. `FileNotFoundError` if it is gone;
     `_DamagedFile` (or `SafetensorError`, a header cut short or forged) unless it is a regular file whose
-    checksum matches; `ValueError` / `KeyError` if its layers, shapes or dtype are not this cache's."""
+    checksum matches; `ValueError` / `KeyError` if its layers, shapes or dtype are not this cache's. The
+    layers and shapes are checked in the header, before a tensor is read (one block's bytes at most)."""
     path = self._path(key)
     if not path.exists():
         raise FileNotFoundError(f"no file {path.name}")
     if not path.is_file():  # a FIFO would block the read until someone writes to it
         raise _DamagedFile("not a regular file")
     with safe_open(path, "pt") as f:
+        if set(f.keys()) != set(self._kv_caches):
+            raise KeyError(f"its tensors are not the {len(self._kv_caches)} layers of this cache")
+        for name, cache in self._kv_caches.items():
+            shape = f.get_slice(name).get_shape()
+            if shape != [cache.shape[0], *cache.shape[2:]]:  # a planted header may claim gigabytes
+                raise ValueError(f"{name} is {tuple(shape)} in its header, not one block")
         digest = (f.metadata() or {}).get("sha256")
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors = {name: f.get_tensor(name) for name in self._kv_caches}
     if digest != safetensors_digest(tensors):
         raise _DamagedFile("checksum mismatch: a damaged, truncated or foreign file")
     for name, cache in self._kv_caches.items():
