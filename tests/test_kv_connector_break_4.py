@@ -13,9 +13,13 @@
    ExampleConnector and ECExampleConnector read it whole, then checksummed it, then refused it (the engine's
    memory grew by 1.5 GiB per load). The header's layers and shapes are now checked before any tensor is
    read.
+4. A P2P producer whose port is taken failed with ZeroMQ's bare "Address already in use (addr=...:p+1)": under
+   data parallelism (or tensor parallelism) that is a port the user never typed (engine i serves on kv_port +
+   i x tensor_parallel_size). The error now names `kv_port` and how each rank's port is derived.
 """
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -190,3 +194,16 @@ def test_a_planted_gigabyte_header_is_refused_unread(which):
     assert out.returncode == 0, out.stderr[-2000:]
     growth = int(out.stdout.split("GROWTH_MIB")[1])
     assert growth < 256, f"peak memory grew by {growth} MiB"  # before: 1538 MiB
+
+
+# ---- 4. a P2P producer's port taken: the error names kv_port ----
+
+
+def test_a_taken_p2p_port_names_kv_port(llama):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        kvt = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": port}
+        with pytest.raises(RuntimeError, match="Address already in use") as e:  # before: a bare ZMQError
+            LLM(llama[0], **KW, kv_transfer_config=kvt)
+    assert "kv_port" in str(e.value) and "tensor_parallel_size" in str(e.value)

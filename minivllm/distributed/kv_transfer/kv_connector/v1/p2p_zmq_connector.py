@@ -300,7 +300,15 @@ def register_kv_caches(self: P2pZmqConnectorWorker, kv_caches: dict[str, torch.T
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _request_limit(self.kv_caches))  # larger: the sender is dropped
-        sock.bind(f"tcp://{self.host}:{self.port}")  # fails loudly if the port is taken
+        try:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+        except zmq.ZMQError as e:  # taken: name the setting, the user never typed this rank's port
+            sock.close(linger=0)
+            raise RuntimeError(
+                f"P2pZmqConnector: cannot serve KV on {self.host}:{self.port} ({e}); it is "
+                f"kv_transfer_config's kv_port + tensor-parallel rank {self.tp_rank}, and data-parallel "
+                "engine i adds i x tensor_parallel_size to kv_port: choose a kv_port with that range free"
+            ) from e
         self._server = threading.Thread(target=self._serve, args=(sock,), name="p2p-zmq-server", daemon=True)
         self._server.start()
 
