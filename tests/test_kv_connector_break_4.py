@@ -16,6 +16,10 @@
 4. A P2P producer whose port is taken failed with ZeroMQ's bare "Address already in use (addr=...:p+1)": under
    data parallelism (or tensor parallelism) that is a port the user never typed (engine i serves on kv_port +
    i x tensor_parallel_size). The error now names `kv_port` and how each rank's port is derived.
+5. A P2P producer restarted (same port) between handing out `kv_transfer_params` and the consumer's pull:
+   the new one did not know the request and answered RETRY until the consumer's `transfer_timeout_s` (30 s by
+   default) ran out, for every such request. A READ now carries the `remote_engine_id` it was given, and a
+   producer of another engine id refuses it at once (the consumer recomputes).
 """
 
 import os
@@ -29,6 +33,7 @@ from test_kv_connector_break_2 import _store_one_damaged_block  # tests/ is on s
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.executor.multiproc_executor import get_open_port
 
 KW = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20)
 FIRST = list(range(5, 5 + 20))  # one full block stored
@@ -207,3 +212,31 @@ def test_a_taken_p2p_port_names_kv_port(llama):
         with pytest.raises(RuntimeError, match="Address already in use") as e:  # before: a bare ZMQError
             LLM(llama[0], **KW, kv_transfer_config=kvt)
     assert "kv_port" in str(e.value) and "tensor_parallel_size" in str(e.value)
+
+
+# ---- 5. a restarted P2P producer refuses what it never held, at once ----
+
+
+def test_a_restarted_producer_refuses_old_pulls_at_once(llama):
+    path, expected = llama
+    producer = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": get_open_port()}
+    prod = LLM(path, **KW, kv_transfer_config=producer)
+    remote = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    params = prod.generate([{"prompt_token_ids": PROMPTS[2]}], remote, use_tqdm=False)[0].kv_transfer_params
+    prod.llm_engine.shutdown()
+    prod = LLM(path, **KW, kv_transfer_config=producer)  # restarted on the same port: a new engine id
+    consumer = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                "kv_connector_extra_config": {"transfer_timeout_s": 600}}  # fmt: skip
+    cons = LLM(path, **KW, kv_transfer_config=consumer)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params})  # fmt: skip
+        cons.llm_engine.add_request("r0", {"prompt_token_ids": PROMPTS[2]}, sp)
+        done, t0 = [], time.monotonic()
+        while not done:  # before: RETRY for transfer_timeout_s (600 s here)
+            assert time.monotonic() - t0 < 60, "the pull from the restarted producer did not fail at once"
+            done = [o for o in cons.llm_engine.step() if o.finished]
+        assert done[0].outputs[0].token_ids == expected[2]  # computed by the consumer
+    finally:
+        prod.llm_engine.shutdown()
+        cons.llm_engine.shutdown()

@@ -406,6 +406,12 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
                 self._finished_sending.add(rid)
             return _reply(b"ACK", tag)
     if entry is None:
+        engine = msg.get("engine_id")
+        if isinstance(engine, str) and engine and engine != self.engine_id:  # a restarted producer: never
+            error = (
+                f"this is engine {self.engine_id}, not {engine[:64]!r} (restarted?): it holds nothing for it"
+            )
+            return _reply(b"ERROR", tag, error=error)  # the pull fails now, not after transfer_timeout_s
         return _reply(b"RETRY", tag)
     ids = msg.get("block_ids", [])
     if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
@@ -541,7 +547,8 @@ def _release_ranks(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) 
 
 @patch
 def _send(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull, kind: bytes, **fields: Any) -> None:
-    msg = {"req_id": pull.recv.remote_request_id, "tag": pull.req_id, **fields}
+    msg = {"req_id": pull.recv.remote_request_id, "tag": pull.req_id, "engine_id": pull.recv.remote_engine_id}
+    msg.update(fields)
     try:
         peer.sock.send_multipart([kind, json.dumps(msg).encode()], zmq.NOBLOCK)
     except zmq.ZMQError as e:  # the socket's queue is full: the peer is not reading
