@@ -409,8 +409,8 @@ llm.generate([{"prompt_token_ids": list(range(5, 42))}], SamplingParams(max_toke
 def test_a_killed_writers_temporary_file_is_swept(llama, tmp_path):
     """ExampleConnector writes a temporary file and renames it; a worker killed in between (SIGKILL, a crash)
     left `tmp*.tmp` in the shared folder forever (the LMCache disk tier sweeps its own). An engine starting
-    on the folder removes those older than `stale_tmp_s` (60 s; 0 here); a younger one may be another
-    engine's save in progress."""
+    on the folder removes those older than `stale_tmp_s` (60 s; the file is back-dated an hour here); a
+    younger one may be another engine's save in progress. An age under 10 s is refused, by name."""
     import subprocess
     import sys
 
@@ -424,9 +424,17 @@ def test_a_killed_writers_temporary_file_is_swept(llama, tmp_path):
     finally:
         proc.kill()  # by its pid: the writer dies in mid-save
         proc.wait(30)
-    assert [p.name for p in storage.iterdir() if p.name.endswith(".tmp")]  # what the killed writer left
+    left = [p for p in storage.iterdir() if p.name.endswith(".tmp")]
+    assert left  # what the killed writer left
+    for p in left:
+        os.utime(p, (time.time() - 3600, time.time() - 3600))  # an hour ago: its writer is long gone
     kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"shared_storage_path": str(storage), "stale_tmp_s": 0}}  # fmt: skip
+    refused = r"kv_connector_extra_config\['stale_tmp_s'\] must be a number of seconds >= 10"
+    with pytest.raises(ValueError, match=refused):
+        LLM(llama[0], **KW, kv_transfer_config=kvt)  # 0 would delete other engines' saves in progress
+    assert [p.name for p in storage.iterdir() if p.name.endswith(".tmp")]  # nothing was swept by the refusal
+    kvt["kv_connector_extra_config"]["stale_tmp_s"] = 60
     llm = LLM(llama[0], **KW, kv_transfer_config=kvt)
     llm.llm_engine.shutdown()
     assert [p.name for p in storage.iterdir() if p.name.endswith(".tmp")] == []  # before: it stayed
