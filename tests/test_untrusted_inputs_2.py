@@ -6,6 +6,7 @@ forever, yet allows a token at every step) is a 400 instead of a run to max_toke
 In-process servers (as in test_server.py) on tiny random-weight checkpoints."""
 
 import threading
+import time
 
 import openai
 import pytest
@@ -154,6 +155,34 @@ def test_client_leaving_while_its_images_are_processed_does_not_poison_the_cache
         impatient.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
     assert inside.wait(30)
     release.set()
+    vlm.wait_idle()
+    again = vlm.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert again.choices[0].finish_reason == "length"
+    vlm.wait_idle()
+
+
+def test_client_leaving_while_its_add_waits_for_the_engine_does_not_poison_the_cache(vlm):
+    """The same once the images are processed: the add of the request waits for the engine core's thread
+    (busy with a step: held here), and the client leaves. The cancellation dropped the queued add, so the
+    engine never received the images the processor cache had marked as sent, and the next request with the
+    same image was refused ('sent without data'; found by a clean-clone CI run on a loaded machine). Now
+    the add is sent anyway and aborted after it."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        held.set()
+        release.wait(30)
+
+    messages = images_message([data_url(small_png(13))])
+    vlm.engine.engine_thread.submit(hold)  # the engine core's one thread: the next add queues behind it
+    try:
+        assert held.wait(30)
+        impatient = vlm.client.with_options(timeout=1.0, max_retries=0)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        time.sleep(0.5)  # the server sees the disconnect and cancels the handler while its add is queued
+    finally:
+        release.set()
     vlm.wait_idle()
     again = vlm.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
     assert again.choices[0].finish_reason == "length"

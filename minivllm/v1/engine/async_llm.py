@@ -354,7 +354,7 @@ async def _add_request(
     prompt_text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     if params.n == 1:
         self.output_processor.add_request(request, prompt_text, None, 0)
-        await self.engine_core.add_request_async(request)
+        await self._send_uncancelled([request])
         return
     parent = ParentRequest(request)
     children = []
@@ -365,8 +365,22 @@ async def _add_request(
         child.sampling_params = child_params
         self.output_processor.add_request(child, prompt_text, parent, idx)
         children.append(child)
-    for child in children:
-        await self.engine_core.add_request_async(child)
+    await self._send_uncancelled(children)
+
+
+@patch
+async def _send_uncancelled(self: AsyncLLM, requests: list[Any]) -> None:
+    """Send `requests` to the engine core, all of them even if the caller is cancelled meanwhile (its client
+    left). The adds are queued in order before the caller's abort can be (the engine core's input keeps the
+    order), so the engine adds, then aborts them. Cancelled while still queued, an add never reached the
+    engine, although the processor cache had marked its images as sent: the next request naming them was
+    refused ('sent without data and is not in the receiver cache'). Raises what an add raises (an
+    `EngineDeadError`) unless the caller was cancelled."""
+    sent = asyncio.gather(*(self.engine_core.add_request_async(r) for r in requests))
+    self._abort_tasks.add(sent)
+    sent.add_done_callback(self._abort_tasks.discard)
+    sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" warning
+    await asyncio.shield(sent)
 
 
 @patch
