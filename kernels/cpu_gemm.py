@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import os
+import threading
 
 import torch
 
 from .cpu_build import C_PRELUDE, CFLAGS, build_cpu_library, cpu_flags, launch
 
 # %% auto #0
-__all__ = ['CPU_GEMM_SRC', 'load_cpu_gemm_lib', 'use_cpu_gemm', 'pack_weight', 'cpu_gemm', 'make_cpu_gemm_linear',
-           'pack_weight_bf16_dp', 'cpu_gemm_bf16_dp_available', 'cpu_gemm_bf16_dp', 'make_cpu_gemm_bf16_dp_linear']
+__all__ = ['CPU_GEMM_SRC', 'load_cpu_gemm_lib', 'use_cpu_gemm', 'hugepage_empty', 'pack_weight', 'cpu_gemm',
+           'make_cpu_gemm_linear', 'pack_weight_bf16_dp', 'cpu_gemm_bf16_dp_available', 'cpu_gemm_bf16_dp',
+           'make_cpu_gemm_bf16_dp_linear']
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #63d34fa7
 _TILE_SRC = r"""
@@ -177,8 +181,8 @@ int gemm_bf16_dp(const bf16_t* x0, int64_t M, int64_t K, int64_t x_stride, const
             bf16_t* ym = y + m0 * N;
             const int64_t ti = m0 / DP_MR;  /* tiles 1..MT-1 share the prefetch of the next group's 3 panels */
             const bf16_t* pf[3] = {NULL, NULL, NULL};
-            for (int i = 0; i < 3 && ti >= 1; i++)
-                if (i % (MT - 1) == ti - 1 && next + i < NB) pf[i] = wp + (next + i) * K2 * 32;
+            for (int i = 0; i < 3; i++)  /* one row (one tile): it prefetches all three itself */
+                if ((MT == 1 || (ti >= 1 && i % (MT - 1) == ti - 1)) && next + i < NB) pf[i] = wp + (next + i) * K2 * 32;
             switch (mr) { DP_NP_CASE(8) DP_NP_CASE(7) DP_NP_CASE(6) DP_NP_CASE(5) DP_NP_CASE(4) DP_NP_CASE(3) DP_NP_CASE(2) DP_NP_CASE(1) }
         }
     }
@@ -228,7 +232,12 @@ static inline __attribute__((always_inline)) void tile_fw(const float* x, int64_
     else tile_fw(xm, xs, p, K, R, 1, ym, ys, nb0, N, bias, pf, c0); break;
 #define FW_SWITCH switch (mr) { FW_NP_CASE(8) FW_NP_CASE(7) FW_NP_CASE(6) FW_NP_CASE(5) FW_NP_CASE(4) FW_NP_CASE(3) \
     FW_NP_CASE(2) FW_NP_CASE(1) }
+#endif
+"""  # noqa: E501
 
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #0b76acc1
+_FW_F32_SRC = r"""
+#if defined(__AVX512F__)
 /* gemm_f32 with AVX-512 tiles of 8 rows x 48 columns over the same packed panels (ceil(N/16), K, 16). */
 int gemm_f32_avx512(const float* x, int64_t M, int64_t K, int64_t xs, const float* wp, int64_t N,
                     const float* bias, float* y, int nthreads) {
@@ -257,7 +266,12 @@ int gemm_f32_avx512(const float* x, int64_t M, int64_t K, int64_t xs, const floa
     }
     return 0;
 }
+#endif
+"""  # noqa: E501
 
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #179c32d3
+_FW_BF16_SRC = r"""
+#if defined(__AVX512F__)
 /* gemm_bf16 with the same tile: each thread widens a group's 3 panels to float32 once (every 8-row tile then
    reads them from L2), and rounds its tile's float32 sums, bias added, to bfloat16 once: bit-identical to
    gemm_bf16. Up to 6 rows it is gemm_bf16 itself (widening the panels would cost more than it saves). */
@@ -306,7 +320,7 @@ int gemm_bf16_avx512(const bf16_t* xb, int64_t M, int64_t K, int64_t x_stride, c
 """  # noqa: E501
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #57ef551f
-CPU_GEMM_SRC = C_PRELUDE + _TILE_SRC + _DRIVER_SRC + _DP_SRC + _FW_SRC
+CPU_GEMM_SRC = C_PRELUDE + _TILE_SRC + _DRIVER_SRC + _DP_SRC + _FW_SRC + _FW_F32_SRC + _FW_BF16_SRC
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #e3dfd921
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -366,9 +380,49 @@ def use_cpu_gemm(dtype: torch.dtype) -> bool:
         return not flags & {"avx512_bf16", "amx_bf16"}
     return "avx512f" not in flags
 
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #dcc982b7
+class _HugePageArena:
+    "Bump allocation of tensors in 64 MB anonymous mappings advised MADV_HUGEPAGE (see above)."
+
+    def __init__(self, chunk_bytes: int = 64 << 20):
+        self.chunk_bytes = chunk_bytes
+        self._map: mmap.mmap | None = None  # the mapping being filled; full ones live on in their tensors
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        step = -(-nbytes // 64) * 64  # every tensor starts on a cache line
+        with self._lock:
+            if self._map is None or self._used + step > len(self._map):
+                size = max(self.chunk_bytes, -(-step // (2 << 20)) * (2 << 20))
+                self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self._used = 0
+            t = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=self._used)
+            self._used += step
+        return t.view(dtype).view(shape)
+
+
+_ARENA = _HugePageArena()
+
+
+def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor of `shape` and `dtype` in memory advised for 2 MB transparent
+    huge pages (`torch.empty` where `mmap.MADV_HUGEPAGE` does not exist or env `MINIVLLM_CPU_HUGEPAGES` is
+    `0`; `ValueError` for another value of it). Source: minivllm's own (the role of PyTorch's
+    `THP_MEM_ALLOC_ENABLE`, which a forked engine process cannot turn on: torch reads it once, at start)."""
+    mode = os.environ.get("MINIVLLM_CPU_HUGEPAGES", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"MINIVLLM_CPU_HUGEPAGES must be 0 or 1; got {mode!r}")
+    if mode == "0" or not hasattr(mmap, "MADV_HUGEPAGE") or math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return _ARENA.empty(tuple(shape), dtype)
+
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #7c4c517f
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Repack a linear weight (N, K) into 16-column panels (ceil(N/16), K, 16), zero-padded, same dtype.
+    """Repack a linear weight (N, K) into 16-column panels (ceil(N/16), K, 16), zero-padded, same dtype, in
+    `hugepage_empty` memory.
 
     weight: 2-D float32 or bfloat16 on the CPU. Raises `ValueError` otherwise. Source: vLLM v0.15
     model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm` (role: the packing done once at load)."""
@@ -381,7 +435,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     nb = -(-N // 16)
     padded = torch.zeros(nb * 16, K, dtype=weight.dtype)
     padded[:N] = weight.detach()
-    return padded.view(nb, 16, K).transpose(1, 2).contiguous()
+    out = hugepage_empty((nb, K, 16), weight.dtype)
+    out.copy_(padded.view(nb, 16, K).transpose(1, 2))
+    return out
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #853aca95
 def cpu_gemm(
@@ -480,7 +536,8 @@ def _call_fits(x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, K
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #17cac7f7
 def pack_weight_bf16_dp(weight: torch.Tensor) -> torch.Tensor:
     """Repack a bfloat16 linear weight (N, K) by pairs of k: (ceil(N/16), ceil(K/2), 16, 2), zero-padded,
-    element [j, kp, c, i] = W[16 j + c, 2 kp + i]. Raises `ValueError` for another dtype, rank or device.
+    element [j, kp, c, i] = W[16 j + c, 2 kp + i], in `hugepage_empty` memory. Raises `ValueError` for
+    another dtype, rank or device.
     Source: minivllm's own (the operand layout of AVX512-BF16's `vdpbf16ps`; the role of vLLM v0.15
     `dispatch_cpu_unquantized_gemm`'s packing at load)."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
@@ -492,7 +549,9 @@ def pack_weight_bf16_dp(weight: torch.Tensor) -> torch.Tensor:
     nb, k2 = -(-N // 16), -(-K // 2)
     padded = torch.zeros(nb * 16, k2 * 2, dtype=torch.bfloat16)
     padded[:N, :K] = weight.detach()
-    return padded.view(nb, 16, k2, 2).permute(0, 2, 1, 3).contiguous()
+    out = hugepage_empty((nb, k2, 16, 2), torch.bfloat16)
+    out.copy_(padded.view(nb, 16, k2, 2).permute(0, 2, 1, 3))
+    return out
 
 
 def cpu_gemm_bf16_dp_available() -> bool:

@@ -49,6 +49,7 @@ _KERNELS = {  # kernels and dispatch on the CPU
     "MINIVLLM_CPU_ONEDNN_GEMM": _choice("1", "0: no oneDNN packed GEMM in CPU linears", _ON_OFF),
     "MINIVLLM_CPU_GEMM": _choice("auto", "C GEMM panels: 0 off, 1 always, auto", ("0", "1", "auto")),
     "MINIVLLM_CPU_GEMM_TUNING": _choice("1", "0: no GEMM timing, the flag policy", _ON_OFF),
+    "MINIVLLM_CPU_HUGEPAGES": _choice("1", "0: packed CPU weights in 4 KB pages, not 2 MB", _ON_OFF),
     "MINIVLLM_CPU_FLAGS": EnvVar("str", "", "CPU flags to keep (hides features, never adds)"),
     "MINIVLLM_CPU_KVCACHE_SPACE": _number("float", "1", 1e-9, "GiB of KV cache on the CPU"),
     "MINIVLLM_ATTENTION_BACKEND": _choice(
