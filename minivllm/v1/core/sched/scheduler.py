@@ -129,20 +129,26 @@ class Scheduler:
         self.delayed_free_req_ids: set[str] = set()  # finished, blocks kept until finished_sending
         self.kv_load_failed_req_ids: set[str] = set()  # never asked the connector again
         self._outputs_to_drop: dict[str, int] = {}  # async: steps in flight on a context that failed to load
-        # multimodal: encoder cache accounting and the per-step encoder budget (section "Encoder inputs")
-        self.encoder_cache_manager, self.max_num_encoder_input_tokens, self.disable_chunked_mm_input = (
-            make_encoder_cache_manager(vllm_config)
-        )
-        self._encoder_budget = self.max_num_encoder_input_tokens
-        self._scheduled_encoder_inputs: dict[str, list[int]] = {}
-        self._external_load_encoder_inputs: dict[str, list[int]] = {}  # EC connector hits this step
-        # encoder-cache connector (chapter "EC connector base"): the scheduler side, or None; an ec_producer
-        # instance is encoder-only (one placeholder token per request, no decoder run)
-        self.ec_connector = None
-        ect = getattr(vllm_config, "ec_transfer_config", None)
-        if ect is not None and ect.is_ec_transfer_instance:
-            self.ec_connector = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.SCHEDULER)
-        self.is_encoder_only = ect is not None and ect.is_ec_producer_only
+        self._init_encoder_side(vllm_config)
+
+# %% ../../../../nbs/23_scheduler.ipynb #6f20174a
+@patch
+def _init_encoder_side(self: Scheduler, vllm_config: VllmConfig) -> None:
+    "The multimodal half of `__init__`: encoder cache accounting, the encoder budget, the EC connector."
+    # multimodal: encoder cache accounting and the per-step encoder budget (section "Encoder inputs")
+    self.encoder_cache_manager, self.max_num_encoder_input_tokens, self.disable_chunked_mm_input = (
+        make_encoder_cache_manager(vllm_config)
+    )
+    self._encoder_budget = self.max_num_encoder_input_tokens
+    self._scheduled_encoder_inputs: dict[str, list[int]] = {}
+    self._external_load_encoder_inputs: dict[str, list[int]] = {}  # EC connector hits this step
+    # encoder-cache connector (chapter "EC connector base"): the scheduler side, or None; an ec_producer
+    # instance is encoder-only (one placeholder token per request, no decoder run)
+    self.ec_connector = None
+    ect = getattr(vllm_config, "ec_transfer_config", None)
+    if ect is not None and ect.is_ec_transfer_instance:
+        self.ec_connector = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.SCHEDULER)
+    self.is_encoder_only = ect is not None and ect.is_ec_producer_only
 
 # %% ../../../../nbs/23_scheduler.ipynb #e23589f5
 @patch(as_prop=True)
@@ -1070,7 +1076,7 @@ def _handle_invalid_blocks(self: Scheduler, invalid_block_ids: set[int]) -> set[
     pool.evict_blocks(b for b in invalid_block_ids if 0 <= b < pool.num_gpu_blocks)
     return affected
 
-
+# %% ../../../../nbs/23_scheduler.ipynb #fbcc5a7f
 @patch
 def _forget_placeholders(
     self: Scheduler,
