@@ -19,7 +19,8 @@ from .cpu_build import C_PRELUDE, CFLAGS, build_cpu_library, cpu_flags, launch
 # %% auto #0
 __all__ = ['CPU_GEMM_SRC', 'load_cpu_gemm_lib', 'use_cpu_gemm', 'hugepage_empty', 'pack_weight', 'cpu_gemm',
            'make_cpu_gemm_linear', 'pack_weight_bf16_dp', 'cpu_gemm_bf16_dp_available', 'cpu_gemm_bf16_dp',
-           'make_cpu_gemm_bf16_dp_linear']
+           'make_cpu_gemm_bf16_dp_linear', 'cpu_gemm_bf16_amx_available', 'cpu_gemm_bf16_amx',
+           'make_cpu_gemm_bf16_amx_linear']
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #63d34fa7
 _TILE_SRC = r"""
@@ -319,8 +320,85 @@ int gemm_bf16_avx512(const bf16_t* xb, int64_t M, int64_t K, int64_t x_stride, c
 #endif
 """  # noqa: E501
 
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #e3be9d1b
+_AMX_SRC = r"""
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_cfg_t;
+static int amx_permitted = 0;
+
+/* 0 once Linux lets this process use the AMX tile data (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), else -1. */
+int amx_request_permission(void) {
+    if (!amx_permitted && syscall(SYS_arch_prctl, 0x1023, 18) == 0) amx_permitted = 1;
+    return amx_permitted ? 0 : -1;
+}
+
+/* y (M, N) = x (M, K) @ W.T + bias, all bfloat16, W packed by pairs (ceil(N/16), K/2, 16, 2); K % 32 == 0.
+   Returns 0, -1 when the tail copy cannot be allocated, -2 for a K that is no multiple of 32, -3 without
+   the AMX permission. */
+int gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t K, int64_t xs, const bf16_t* wp, int64_t N,
+                  const bf16_t* bias, bf16_t* y, int nthreads) {
+    if (K % 32) return -2;
+    if (amx_request_permission()) return -3;
+    const int64_t NB = (N + 15) / 16, K2 = K / 2, NG = (NB + 1) / 2, MF = M / 16 * 16;
+    bf16_t* tail = NULL;  /* rows MF..M-1, zero-padded to one full 16-row tile */
+    if (M > MF) {
+        tail = calloc((size_t)(16 * K), sizeof(bf16_t));
+        if (!tail) return -1;
+        for (int64_t m = MF; m < M; m++) memcpy(tail + (m - MF) * K, x + m * xs, sizeof(bf16_t) * K);
+    }
+    #pragma omp parallel num_threads(nthreads)
+    {
+    amx_cfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }  /* every tile 16 rows x 64 bytes */
+    _tile_loadconfig(&cfg);
+    float out[32 * 32];
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < NG; g++) {
+        const int64_t nb0 = 2 * g, c0 = nb0 * 16;
+        const int np = NB - nb0 < 2 ? 1 : 2;
+        const bf16_t* p0 = wp + nb0 * K2 * 32;
+        const bf16_t* p1 = p0 + K2 * 32;
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int two = M - m0 > 16;
+            const bf16_t* a0 = m0 < MF ? x + m0 * xs : tail;
+            const bf16_t* a1 = m0 + 16 < MF ? x + (m0 + 16) * xs : tail;
+            const int64_t s0 = 2 * (m0 < MF ? xs : K), s1 = 2 * (m0 + 16 < MF ? xs : K);  /* bytes per row */
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t kp = 0; kp < K2; kp += 16) {
+                _tile_loadd(4, a0 + 2 * kp, s0);
+                _tile_loadd(6, p0 + kp * 32, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (np == 2) { _tile_loadd(7, p1 + kp * 32, 64); _tile_dpbf16ps(1, 4, 7); }
+                if (two) {
+                    _tile_loadd(5, a1 + 2 * kp, s1);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (np == 2) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, out, 128); _tile_stored(1, out + 16, 128);
+            _tile_stored(2, out + 512, 128); _tile_stored(3, out + 528, 128);
+            const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
+            const int64_t cols = N - c0 < np * 16 ? N - c0 : np * 16;
+            for (int r = 0; r < rows; r++)
+                for (int64_t j = 0; j < cols; j++)
+                    y[(m0 + r) * N + c0 + j] = bf16_store(out[r * 32 + j] + (bias ? bf16_load(bias[c0 + j]) : 0.f));
+        }
+    }
+    _tile_release();
+    }
+    free(tail);
+    return 0;
+}
+#endif
+"""  # noqa: E501
+
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #57ef551f
-CPU_GEMM_SRC = C_PRELUDE + _TILE_SRC + _DRIVER_SRC + _DP_SRC + _FW_SRC + _FW_F32_SRC + _FW_BF16_SRC
+CPU_GEMM_SRC = C_PRELUDE + _TILE_SRC + _DRIVER_SRC + _DP_SRC + _FW_SRC + _FW_F32_SRC + _FW_BF16_SRC + _AMX_SRC
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #e3dfd921
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -344,11 +422,14 @@ def load_cpu_gemm_lib() -> ctypes.CDLL | None:
         "gemm_bf16_dp",
         "gemm_f32_avx512",
         "gemm_bf16_avx512",
+        "gemm_bf16_amx",
     ]:
         if not hasattr(lib, name):
-            continue  # gemm_bf16_dp / gemm_*_avx512: only where the compiler targets AVX512-BF16 / F
+            continue  # gemm_bf16_dp / _avx512 / _amx: only where the compiler targets AVX512-BF16 / F / AMX
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = INT, [P, I64, I64, I64, P, I64, P, P, INT]
+    if hasattr(lib, "amx_request_permission"):
+        lib.amx_request_permission.restype, lib.amx_request_permission.argtypes = INT, []
     return lib
 
 
@@ -497,8 +578,10 @@ def _launch(
         threads = max(1, int(num_threads or torch.get_num_threads()))
         bias_ptr = None if bias is None else bias.data_ptr()
         rc = launch(fn, x2.data_ptr(), M, K, x2.stride(0), packed_ptr, n, bias_ptr, out.data_ptr(), threads)
-        if rc != 0:
+        if rc == -1:
             raise MemoryError(f"cpu_gemm: could not allocate the copy of x ({M}x{K})")
+        if rc != 0:
+            raise RuntimeError(f"cpu_gemm: the C kernel refused the call (code {rc}: -2 K % 32, -3 no AMX)")
     return out if x2 is x else out.view(*x.shape[:-1], n)
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #031ba63d
@@ -593,13 +676,14 @@ def cpu_gemm_bf16_dp(
     return _launch(load_cpu_gemm_lib().gemm_bf16_dp, x, K, packed.data_ptr(), n, bias, num_threads)
 
 
-def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor):
-    """Pack bfloat16 `weight` (N, K) by pairs once and return `linear(x, bias=None)`, the per-layer closure
-    (as `make_cpu_gemm_linear`); `linear.packed` is the packed tensor. Raises like `pack_weight_bf16_dp`,
-    and `RuntimeError` where the kernel is not available. Source: minivllm's own."""
+def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor, packed: torch.Tensor | None = None):
+    """Pack bfloat16 `weight` (N, K) by pairs once (or take `packed`, the `pack_weight_bf16_dp(weight)` another
+    closure already holds) and return `linear(x, bias=None)`, the per-layer closure (as
+    `make_cpu_gemm_linear`); `linear.packed` is the packed tensor. Raises like `pack_weight_bf16_dp`, and
+    `RuntimeError` where the kernel is not available. Source: minivllm's own."""
     if not cpu_gemm_bf16_dp_available():
         raise RuntimeError("make_cpu_gemm_bf16_dp_linear: needs AVX512-BF16 (cpu_flags() and the library)")
-    packed = pack_weight_bf16_dp(weight)
+    packed = pack_weight_bf16_dp(weight) if packed is None else packed
     n, K = weight.shape
     fn = load_cpu_gemm_lib().gemm_bf16_dp
     packed_ptr = packed.data_ptr()
@@ -607,6 +691,74 @@ def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor):
     def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _call_fits(x, bias, torch.bfloat16, K, n):
             return cpu_gemm_bf16_dp(x, packed, n, bias)  # raises the full error
+        return _launch(fn, x, K, packed_ptr, n, bias)
+
+    linear.packed = packed
+    return linear
+
+# %% ../nbs/kernels/04_cpu_gemm.ipynb #5011def3
+def cpu_gemm_bf16_amx_available(k: int | None = None) -> bool:
+    """True when the library has `gemm_bf16_amx` (built for AMX-TILE and AMX-BF16), `cpu_flags()` shows
+    `amx_tile` and `amx_bf16`, Linux granted the AMX permission, and `k` (the reduction width, when given)
+    is a multiple of 32. Source: minivllm's own."""
+    lib = load_cpu_gemm_lib()
+    if lib is None or not hasattr(lib, "gemm_bf16_amx") or not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return False
+    return lib.amx_request_permission() == 0 and (k is None or k % 32 == 0)
+
+
+def cpu_gemm_bf16_amx(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """x @ W.T + bias by AMX tiles, W given as `pack_weight_bf16_dp(W)`: x (..., K) bfloat16 -> (..., n)
+    bfloat16, float32 sums rounded once after the bias. K must be a multiple of 32. Raises `RuntimeError`
+    where the kernel is not available (`cpu_gemm_bf16_amx_available`), `ValueError` for a mismatch (the
+    field named), `MemoryError` if the copy of the last rows cannot be allocated. Source: minivllm's own."""
+    K = x.shape[-1]
+    if not cpu_gemm_bf16_amx_available():
+        raise RuntimeError("cpu_gemm_bf16_amx: needs AMX-TILE and AMX-BF16 (cpu_flags(), the library, Linux)")
+    shape = (-(-n // 16), K // 2, 16, 2)
+    problem = None
+    if K % 32:
+        problem = f"x width K={K} must be a multiple of 32"
+    elif x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
+        problem = f"x and packed must be bfloat16; got {x.dtype} and {packed.dtype}"
+    elif x.device.type != "cpu" or packed.device.type != "cpu":
+        problem = f"x and packed must be on the CPU; got {x.device} and {packed.device}"
+    elif tuple(packed.shape) != shape or not packed.is_contiguous():
+        problem = f"packed must be contiguous {shape} for n={n}, x width K={K}"
+    elif bias is not None and (
+        bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+    ):
+        problem = f"bias must be ({n},) bfloat16 contiguous; got {tuple(bias.shape)} {bias.dtype}"
+    if problem is not None:
+        raise ValueError(
+            f"cpu_gemm_bf16_amx: {problem}; got x {tuple(x.shape)}, packed {tuple(packed.shape)}"
+        )
+    return _launch(load_cpu_gemm_lib().gemm_bf16_amx, x, K, packed.data_ptr(), n, bias, num_threads)
+
+
+def make_cpu_gemm_bf16_amx_linear(weight: torch.Tensor, packed: torch.Tensor | None = None):
+    """The per-layer closure `linear(x, bias=None)` of the AMX kernel for bfloat16 `weight` (N, K), on
+    `packed` (`pack_weight_bf16_dp(weight)`, shared with the pairs kernel) or a fresh packing;
+    `linear.packed` is it. Raises `RuntimeError` where the kernel is not available for this K, and like
+    `pack_weight_bf16_dp`. Source: minivllm's own."""
+    n, K = weight.shape
+    if not cpu_gemm_bf16_amx_available(K):
+        raise RuntimeError(
+            f"make_cpu_gemm_bf16_amx_linear: needs AMX (cpu_flags(), the library) and K % 32 == 0; K={K}"
+        )
+    packed = pack_weight_bf16_dp(weight) if packed is None else packed
+    fn = load_cpu_gemm_lib().gemm_bf16_amx
+    packed_ptr = packed.data_ptr()
+
+    def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not _call_fits(x, bias, torch.bfloat16, K, n):
+            return cpu_gemm_bf16_amx(x, packed, n, bias)  # raises the full error
         return _launch(fn, x, K, packed_ptr, n, bias)
 
     linear.packed = packed

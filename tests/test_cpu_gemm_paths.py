@@ -1,8 +1,8 @@
 """Every CPU GEMM path, on whatever CPU runs the tests: graphs on == graphs off == transformers.
 
 Which kernel multiplies a CPU linear depends on the CPU (kernels chapter 04, chapter 30b): the C GEMM
-(`cpu_gemm`, AVX2 + FMA), its bfloat16 pairs kernel (`cpu_gemm_bf16_dp`, AVX512-BF16; chosen only by
-measurement, forced below), oneDNN's packed weights (`onednn`, the default on AVX-512 CPUs; opaque mkldnn
+(`cpu_gemm`, AVX2 + FMA), its bfloat16 pairs kernel (`cpu_gemm_bf16_dp`, AVX512-BF16) and AMX kernel
+(`cpu_gemm_bf16_amx`, AMX-TILE + AMX-BF16; both chosen only by measurement, forced below), oneDNN's packed weights (`onednn`, the default on AVX-512 CPUs; opaque mkldnn
 tensors, which once killed CPU-graph capture), or plain `F.linear`. `MINIVLLM_CPU_GEMM=1` forces the C GEMM,
 `MINIVLLM_CPU_GEMM=0` leaves oneDNN, adding `MINIVLLM_CPU_ONEDNN_GEMM=0` leaves `F.linear`, so each path runs
 here whatever the CPU would pick by default; a path this CPU cannot execute is skipped with the reason. The
@@ -229,6 +229,55 @@ def test_bf16_pairs_kernel_graphs_equal_eager(tiny, monkeypatch):
     assert linear_kinds(hidden) == {None}  # F.linear
 
 
+# The AMX kernel (kernels chapter 04, `tdpbf16ps` tiles) is chosen by measurement; forced here, first for
+# every bucket, then mixed with the pairs kernel (both read one packed copy per layer): graphs == eager, and
+# with AMX hidden the same table falls back to a kernel the view allows.
+def test_bf16_amx_kernel_graphs_equal_eager(tiny, monkeypatch):
+    from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available
+    from minivllm.model_executor.layers import linear
+    if not cpu_gemm_bf16_amx_available():
+        pytest.skip("the AMX kernel needs amx_tile and amx_bf16 (Sapphire Rapids or later), which this CPU lacks")
+    set_path(monkeypatch, "onednn")
+    monkeypatch.delenv("MINIVLLM_CPU_GEMM")
+    table = ["cpu_gemm_bf16_amx"] * 4
+    monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: tuple(table))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 21, 8, 13)]
+    max_tokens = [10, 5, 8, 7]
+    llm = LLM(tiny, dtype="bfloat16", **ENGINE)
+    assert linear_kinds(llm) == {"cpu_gemm_bf16_amx"}
+    before = replays(llm)
+    graphs = greedy(llm, prompts, max_tokens)
+    assert replays(llm) - before >= 6
+    eager_llm = LLM(tiny, dtype="bfloat16", enforce_eager=True, **ENGINE)
+    assert graphs == greedy(eager_llm, prompts, max_tokens)
+    if cpu_gemm_bf16_dp_available():
+        table[:2] = ["cpu_gemm_bf16_dp"] * 2
+        mixed = LLM(tiny, dtype="bfloat16", enforce_eager=True, **ENGINE)
+        assert linear_kinds(mixed) == {"cpu_gemm_bf16_dp/cpu_gemm_bf16_dp/cpu_gemm_bf16_amx/cpu_gemm_bf16_amx"}
+        assert len(greedy(mixed, prompts, max_tokens)) == len(prompts)
+        table[:2] = ["cpu_gemm_bf16_amx"] * 2
+    monkeypatch.setenv("MINIVLLM_CPU_FLAGS", "avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+    assert not cpu_gemm_bf16_amx_available()
+    hidden = LLM(tiny, dtype="bfloat16", enforce_eager=True, **ENGINE)
+    assert linear_kinds(hidden) == {None}  # F.linear
+
+
+def test_amx_kernel_shares_the_pairs_packing():
+    "Both bfloat16 kernels that read weights by pairs get one packed copy, and the same product."
+    from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available
+    from minivllm.model_executor.layers.utils import cpu_gemm_candidates
+    if not (cpu_gemm_bf16_amx_available() and cpu_gemm_bf16_dp_available()):
+        pytest.skip("needs AMX (amx_tile, amx_bf16) and AVX512-BF16, which this CPU lacks")
+    w = torch.randn(96, 64).bfloat16()
+    impls = cpu_gemm_candidates(w, {"cpu_gemm_bf16_dp", "cpu_gemm_bf16_amx"})
+    assert impls["cpu_gemm_bf16_dp"].packed is impls["cpu_gemm_bf16_amx"].packed
+    x = torch.randn(20, 64).bfloat16()
+    ref = x.float() @ w.float().T
+    for fn in impls.values():
+        assert torch.allclose(fn(x).float(), ref, rtol=1e-2, atol=0.1)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_avx512_tiles_and_avx2_tiles_give_the_same_tokens(dtype, tiny, monkeypatch):
     """The C GEMM's 8x48 AVX-512 tiles (kernels chapter 04; bfloat16 from 7 rows on) run where the library has
@@ -297,6 +346,10 @@ def test_measured_choice_under_each_cpu_view_stays_runnable(monkeypatch, tmp_pat
     if "avx512_bf16" in cpu_flags():  # the pairs kernel may win bfloat16 buckets only where the view shows it
         allowed["avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512_bf16"] = (
             {"cpu_gemm", "onednn", "F.linear"}, {"cpu_gemm", "cpu_gemm_bf16_dp", "onednn", "F.linear"})
+    if {"amx_tile", "amx_bf16"} <= cpu_flags():  # and the AMX kernel only where the view shows AMX
+        allowed["avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512_bf16,amx_tile,amx_bf16"] = (
+            {"cpu_gemm", "onednn", "F.linear"},
+            {"cpu_gemm", "cpu_gemm_bf16_dp", "cpu_gemm_bf16_amx", "onednn", "F.linear"})
     for flags, (f32, bf16) in allowed.items():
         monkeypatch.setenv("MINIVLLM_CPU_FLAGS", flags)
         for dtype, ok in ((torch.float32, f32), (torch.bfloat16, bf16)):

@@ -29,7 +29,7 @@ __all__ = ['logger', 'CPU_GEMM_BUCKET_ROWS', 'CPU_GEMM_MARGIN', 'CPU_GEMM_RUNS',
 CPU_GEMM_BUCKET_ROWS = (1, 4, 16, 64)  # the row count each bucket is timed at (its upper end; 64 for 17+)
 CPU_GEMM_MARGIN = 0.10  # a kernel must be this much faster than the flag policy's to replace it
 CPU_GEMM_RUNS = 3  # processes that measure a shape (their best times kept) before its choice is final
-CPU_GEMM_KINDS = ("cpu_gemm", "onednn", "F.linear", "cpu_gemm_bf16_dp")
+CPU_GEMM_KINDS = ("cpu_gemm", "onednn", "F.linear", "cpu_gemm_bf16_dp", "cpu_gemm_bf16_amx")
 
 
 def m_bucket(rows: int) -> int:
@@ -48,12 +48,15 @@ def cpu_gemm_tuning_enabled() -> bool:
 def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str, Callable]:
     """`kind -> linear(x, bias)` for each of `kinds` this CPU can run on `weight` (N, K): "cpu_gemm" (C
     GEMM panels; AVX2 + FMA, float32 / bfloat16), "cpu_gemm_bf16_dp" (C pairs kernel; bfloat16 with
-    AVX512-BF16), "onednn" (oneDNN's packed weight), "F.linear" (always).
+    AVX512-BF16), "cpu_gemm_bf16_amx" (C AMX tiles; bfloat16 with AMX, K a multiple of 32; it shares the
+    pairs kernel's packed copy), "onednn" (oneDNN's packed weight), "F.linear" (always).
     x: (..., K) in the weight's dtype -> (..., N). Source: minivllm's own (the kernels vLLM v0.15
     `dispatch_cpu_unquantized_gemm` picks between)."""
     from kernels.cpu_gemm import (
+        cpu_gemm_bf16_amx_available,
         cpu_gemm_bf16_dp_available,
         load_cpu_gemm_lib,
+        make_cpu_gemm_bf16_amx_linear,
         make_cpu_gemm_bf16_dp_linear,
         make_cpu_gemm_linear,
     )
@@ -63,8 +66,13 @@ def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str,
     if "cpu_gemm" in kinds and weight.dtype in (torch.float32, torch.bfloat16):
         if {"avx2", "fma"} <= cpu_flags() and load_cpu_gemm_lib() is not None:
             out["cpu_gemm"] = make_cpu_gemm_linear(weight)
+    pairs = None  # one packing by pairs serves both bfloat16 kernels that read it
     if "cpu_gemm_bf16_dp" in kinds and weight.dtype == torch.bfloat16 and cpu_gemm_bf16_dp_available():
         out["cpu_gemm_bf16_dp"] = make_cpu_gemm_bf16_dp_linear(weight)
+        pairs = out["cpu_gemm_bf16_dp"].packed
+    amx = weight.dtype == torch.bfloat16 and cpu_gemm_bf16_amx_available(weight.shape[1])
+    if "cpu_gemm_bf16_amx" in kinds and amx:
+        out["cpu_gemm_bf16_amx"] = make_cpu_gemm_bf16_amx_linear(weight, pairs)
     if "onednn" in kinds:
         packed = _onednn_pack(weight)
         if packed is not None:
@@ -141,10 +149,11 @@ def pick_kinds(times: dict[str, list[float]], default: str) -> tuple[str, ...]:
 def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
     """True when this process can run GEMM `kind` on CPU weight (N, K): "F.linear" always; "cpu_gemm" for a
     float32 / bfloat16 weight with AVX2 + FMA in view and the C library built; "cpu_gemm_bf16_dp" for a
-    bfloat16 weight where `kernels.cpu_gemm.cpu_gemm_bf16_dp_available()`; "onednn" where chapter 30b's
+    bfloat16 weight where `kernels.cpu_gemm.cpu_gemm_bf16_dp_available()`; "cpu_gemm_bf16_amx" for a
+    bfloat16 weight where `cpu_gemm_bf16_amx_available(K)` (AMX in view, K a multiple of 32); "onednn" where chapter 30b's
     `_onednn_pack` would pack it (oneDNN present, `MINIVLLM_CPU_ONEDNN_GEMM` not 0, float32, or bfloat16
     with oneDNN's bfloat16 flags). Packs nothing. Raises nothing for an unknown kind (False)."""
-    from kernels.cpu_gemm import cpu_gemm_bf16_dp_available, load_cpu_gemm_lib
+    from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available, load_cpu_gemm_lib
     from minivllm.model_executor.layers.linear import _onednn_bf16_supported
 
     if kind == "F.linear":
@@ -155,6 +164,8 @@ def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
         return {"avx2", "fma"} <= cpu_flags() and load_cpu_gemm_lib() is not None
     if kind == "cpu_gemm_bf16_dp":
         return weight.dtype == torch.bfloat16 and cpu_gemm_bf16_dp_available()
+    if kind == "cpu_gemm_bf16_amx":
+        return weight.dtype == torch.bfloat16 and cpu_gemm_bf16_amx_available(weight.shape[1])
     if kind == "onednn":
         return (
             os.environ.get("MINIVLLM_CPU_ONEDNN_GEMM", "1") != "0"
