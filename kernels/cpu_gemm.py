@@ -677,8 +677,8 @@ def cpu_gemm_bf16_dp(
 
 
 def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor, packed: torch.Tensor | None = None):
-    """Pack bfloat16 `weight` (N, K) by pairs once (or take `packed`, the `pack_weight_bf16_dp(weight)` another
-    closure already holds) and return `linear(x, bias=None)`, the per-layer closure (as
+    """Pack bfloat16 `weight` (N, K) by pairs once (or take `packed`, the `pack_weight_bf16_dp(weight)`
+    another closure already holds) and return `linear(x, bias=None)`, the per-layer closure (as
     `make_cpu_gemm_linear`); `linear.packed` is the packed tensor. Raises like `pack_weight_bf16_dp`, and
     `RuntimeError` where the kernel is not available. Source: minivllm's own."""
     if not cpu_gemm_bf16_dp_available():

@@ -150,9 +150,10 @@ def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
     """True when this process can run GEMM `kind` on CPU weight (N, K): "F.linear" always; "cpu_gemm" for a
     float32 / bfloat16 weight with AVX2 + FMA in view and the C library built; "cpu_gemm_bf16_dp" for a
     bfloat16 weight where `kernels.cpu_gemm.cpu_gemm_bf16_dp_available()`; "cpu_gemm_bf16_amx" for a
-    bfloat16 weight where `cpu_gemm_bf16_amx_available(K)` (AMX in view, K a multiple of 32); "onednn" where chapter 30b's
-    `_onednn_pack` would pack it (oneDNN present, `MINIVLLM_CPU_ONEDNN_GEMM` not 0, float32, or bfloat16
-    with oneDNN's bfloat16 flags). Packs nothing. Raises nothing for an unknown kind (False)."""
+    bfloat16 weight where `cpu_gemm_bf16_amx_available(K)` (AMX in view, K a multiple of 32); "onednn"
+    where chapter 30b's `_onednn_pack` would pack it (oneDNN present, `MINIVLLM_CPU_ONEDNN_GEMM` not 0,
+    float32, or bfloat16 with oneDNN's bfloat16 flags). Packs nothing. Raises nothing for an unknown kind
+    (False)."""
     from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available, load_cpu_gemm_lib
     from minivllm.model_executor.layers.linear import _onednn_bf16_supported
 
