@@ -577,6 +577,9 @@ _AVX512_ITEM_SRC = r"""/* One token's G query heads of one KV head over n keys (
    the KV head's place in a row): per head its max m, sum l and unnormalised accumulator acc (G * D floats).
    Sixteen keys at a time for all G heads (their K rows stay in L1). Scratch: s G * ps floats, pb G * ps
    bfloat16 (ps >= n + 1), qf G * D floats. QF: whether QK16 takes q as scaled float32. */
+#ifndef PF_AHEAD
+#define PF_AHEAD 32
+#endif
 #define DEFINE_AVX512_ITEM(NAME, T, LOAD16, QF, QK16, QK8X2, SOFTMAX, PB, PV)                               \
 static void NAME(const T* qp, const T* kc, const T* vc, const int64_t* off, int64_t ho, int n, int G, int D, \
                  float scale, float soft_cap, float* s, bf16_t* pb, int64_t ps, float* qf, float* m_out,     \
@@ -586,6 +589,11 @@ static void NAME(const T* qp, const T* kc, const T* vc, const int64_t* off, int6
     for (int j0 = 0; j0 < n; j0 += 16) {                                                                    \
         const T* kp[16]; const __mmask16 k = tail16(j0, n); int g = 0;                                      \
         for (int i = 0; i < 16; i++) kp[i] = kc + ho + off[j0 + i < n ? j0 + i : j0];                       \
+        for (int i = j0 ? j0 + PF_AHEAD : 0; i < j0 + PF_AHEAD + 16 && i < n; i++)  /* K ahead, V for PV */ \
+            for (int b = 0; b < D * (int)sizeof(T); b += 64) {                                              \
+                _mm_prefetch((const char*)(kc + ho + off[i]) + b, _MM_HINT_T0);                             \
+                _mm_prefetch((const char*)(vc + ho + off[i]) + b, _MM_HINT_T1);                             \
+            }                                                                                               \
         for (; g + 1 < G; g += 2) {  /* two heads: keys 0-7 (lo) and 8-15 (hi), then 256-bit halves swapped */ \
             const float *qa = qf + g * D, *qb = qa + D; const T *ra = qp + g * D, *rb = ra + D;              \
             const __m512 lo = QK8X2(qa, qb, ra, rb, kp, D, scale), hi = QK8X2(qa, qb, ra, rb, kp + 8, D, scale); \

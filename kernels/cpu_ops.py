@@ -15,7 +15,7 @@ from .cpu_build import C_PRELUDE, CFLAGS, build_cpu_library, launch
 
 # %% auto #0
 __all__ = ['CPU_OPS_SRC', 'CPU_OPS_CFLAGS', 'load_cpu_ops_lib', 'cpu_ops_available', 'can_use_cpu_ops', 'rms_norm',
-           'fused_add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'reshape_and_cache_cpu']
+           'fused_add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'reshape_and_cache_cpu', 'argmax_rows']
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #4e74c934
 _EXP_ANY_SRC = r"""
@@ -157,9 +157,73 @@ DEFINE_ALL(bf16, bf16_t, bf16_load, bf16_store, bf16_round)
 DEFINE_ALL(f16, _Float16, f16_load, f16_store, f16_round)
 """  # noqa: E501
 
+# %% ../nbs/kernels/03_cpu_ops.ipynb #e757386b
+_ARGMAX_SRC = r"""/* out[r] = the index of the first largest element of row r (n elements at x + r * s), or of its first NaN. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 argmax_load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 argmax_load16_bf16(const bf16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 argmax_load16_f16(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#endif
+#define DEFINE_ARGMAX(SUF, T, LOAD)                                                                          \
+static int64_t argmax_row_##SUF(const T* x, int64_t n) {                                                     \
+    int64_t i = 1, best = 0;                                                                                 \
+    float bv = LOAD(x[0]);                                                                                   \
+    ARGMAX_VEC(SUF)                                                                                          \
+    for (; i < n; i++) {                                                                                     \
+        const float v = LOAD(x[i]);                                                                          \
+        if (v > bv) { bv = v; best = i; }                                                                    \
+        else if (v != v) break;                                                                              \
+    }                                                                                                        \
+    if (bv != bv || i < n) for (int64_t j = 0; j < n; j++) { const float v = LOAD(x[j]); if (v != v) return j; } \
+    return best;                                                                                             \
+}                                                                                                            \
+void argmax_rows_##SUF(const T* x, int64_t rows, int64_t n, int64_t s, int64_t* out, int nthreads) {         \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(rows * n >= 8 * PAR_MIN_ELEMS)")     \
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row_##SUF(x + r * s, n);                              \
+}
+#if defined(__AVX512F__)
+/* 16 lanes: lane l holds the largest of x[l], x[l + 16], ... and its index; a NaN anywhere sends the row to
+   the scalar scan for its first NaN. Leaves bv/best as the first maximum of x[0, i) and i at the tail. */
+#define ARGMAX_VEC(SUF) if (n >= 32) {                                                                       \
+    __m512 vmax = argmax_load16_##SUF(x);                                                                    \
+    const __m512i step = _mm512_set1_epi32(16);                                                              \
+    __m512i cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vidx = cur;      \
+    __mmask16 nan = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);                                            \
+    for (i = 16; i + 16 <= n; i += 16) {                                                                     \
+        const __m512 v = argmax_load16_##SUF(x + i);                                                         \
+        cur = _mm512_add_epi32(cur, step);                                                                   \
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                       \
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);                                        \
+        vmax = _mm512_mask_mov_ps(vmax, gt, v);                                                              \
+        vidx = _mm512_mask_mov_epi32(vidx, gt, cur);                                                         \
+    }                                                                                                        \
+    if (nan) { bv = NAN; i = n; } else {                                                                     \
+        bv = _mm512_reduce_max_ps(vmax);                                                                     \
+        const __mmask16 eq = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(bv), _CMP_EQ_OQ);                       \
+        best = _mm512_mask_reduce_min_epi32(eq, vidx);                                                       \
+    }                                                                                                        \
+}
+#else
+#define ARGMAX_VEC(SUF)
+#endif
+DEFINE_ARGMAX(f32, float, f32_id)
+DEFINE_ARGMAX(bf16, bf16_t, bf16_load)
+DEFINE_ARGMAX(f16, _Float16, f16_load)
+"""  # noqa: E501
+
 # %% ../nbs/kernels/03_cpu_ops.ipynb #0acbc7f9
 CPU_OPS_SRC = (
-    C_PRELUDE + _EXP_ANY_SRC + _RMS_NORM_SRC + _SILU_AND_MUL_SRC + _ROPE_SRC + _INSTANCES_SRC + _CACHE_SRC
+    C_PRELUDE
+    + _EXP_ANY_SRC
+    + _RMS_NORM_SRC
+    + _SILU_AND_MUL_SRC
+    + _ROPE_SRC
+    + _INSTANCES_SRC
+    + _CACHE_SRC
+    + _ARGMAX_SRC
 )
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #2895f569
@@ -183,6 +247,7 @@ def load_cpu_ops_lib() -> ctypes.CDLL | None:
         "fused_add_rms_norm": (None, [P, P, P, I64, INT, F, INT]),
         "silu_and_mul": (None, [P, P, I64, INT, I64, INT]),
         "rotary_embedding": (INT, [P, P, P, P, I64, INT, INT, INT, INT, I64, I64, INT, I64, INT]),
+        "argmax_rows": (None, [P, I64, I64, I64, P, INT]),
     }
     lib.reshape_and_cache_bytes.restype = INT
     lib.reshape_and_cache_bytes.argtypes = [P, P, I64, I64, P, P, P, I64, I64, I64, I64, I64, I64]
@@ -497,3 +562,24 @@ def reshape_and_cache_cpu(
     )
     if rc != 0:
         raise IndexError(f"reshape_and_cache_cpu: a slot is >= {key_cache.shape[0] * key_cache.shape[1]}")
+
+# %% ../nbs/kernels/03_cpu_ops.ipynb #d81758e1
+def argmax_rows(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """The index of each row's largest element: x (rows, n) float32 / bfloat16 / float16 on the CPU, last dim
+    contiguous (rows at any stride) -> (rows,) int64; the first index on ties, the first NaN's where a row
+    has one, as `torch.argmax(x, dim=-1)`. Raises `ValueError` for another shape, layout, dtype or device,
+    or n = 0; `RuntimeError` if the kernels are unavailable. Source: the role of vLLM v0.15
+    v1/sample/sampler.py `greedy_sample` (`logits.argmax(dim=-1)`)."""
+    suf = _check("argmax_rows", x)
+    if x.dim() != 2 or x.shape[1] == 0 or (x.shape[0] > 1 and x.stride(1) != 1):
+        raise ValueError(
+            f"argmax_rows: x must be (rows, n >= 1) with a contiguous last dim; got {tuple(x.shape)} "
+            f"strides {x.stride()}"
+        )
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and x.stride(1) != 1:
+        x = x.contiguous()
+    if x.shape[0]:
+        fn = getattr(_lib("argmax_rows"), f"argmax_rows_{suf}")
+        launch(fn, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), _threads(num_threads))
+    return out
