@@ -10,7 +10,6 @@ import torch.nn as nn
 
 from kernels.cpu_build import cpu_flags
 from kernels.cpu_ops import argmax_rows, can_use_cpu_ops
-
 from ..outputs import LogprobsTensors, SamplerOutput
 from .metadata import _SAMPLING_EPS, SamplingMetadata
 
