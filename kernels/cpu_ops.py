@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 
 import torch
 
@@ -227,7 +228,8 @@ CPU_OPS_SRC = (
 )
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #2895f569
-CPU_OPS_CFLAGS = [*CFLAGS, "-ffp-contract=off"]
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+CPU_OPS_CFLAGS = [*CFLAGS, "-ffp-contract=off", *(["-mprefer-vector-width=512"] if _X86 else [])]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
