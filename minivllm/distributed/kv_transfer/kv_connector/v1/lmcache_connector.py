@@ -380,8 +380,11 @@ def _count_load(self: LMCacheConnectorV1Worker, load: ChunkLoad, ok: bool) -> No
 
 @patch
 def get_kv_connector_stats(self: LMCacheConnectorV1Worker) -> dict[str, int] | None:
-    """Tokens loaded, failed to load and stored since the last call (exported on /metrics as
-    `vllm:kv_connector_lmcache_*`), or None when there were none."""
+    """Tokens loaded, failed to load and stored since the last call, and the store's `lmcache_errors` and
+    `lmcache_remote_outages` (`StorageManager.new_errors`: a stopped Redis, a disk that refuses writes or
+    lookups), exported on /metrics as `vllm:kv_connector_lmcache_*`; or None when there were none."""
+    for name, n in self.storage.new_errors().items():
+        self._count(f"lmcache_{name}", n)
     out, self._stats = self._stats, {}
     return out or None
 

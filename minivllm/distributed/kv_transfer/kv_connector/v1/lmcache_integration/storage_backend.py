@@ -175,7 +175,7 @@ class LocalDiskBackend:
     (eviction deletes files; the order is rebuilt from mtimes on start). A corrupted, forged or truncated file
     is a miss: deleted and counted in `num_errors`. A failed write (`OSError`, e.g. ENOSPC) removes its
     temporary, is counted and returns False; `tmp*.tmp` files older than `stale_tmp_s` seconds are swept on
-    start and after a failed write.
+    start and after a failed write. A folder that cannot be searched is a miss (see `contains`).
     Source: LMCache lmcache/v1/storage_backend/local_disk_backend.py `LocalDiskBackend`."""
 
     name = "LocalDiskBackend"
@@ -188,6 +188,7 @@ class LocalDiskBackend:
         self.num_evictions = 0
         self.num_errors = 0
         self.num_stale_tmp_removed = 0
+        self._unsearchable = False  # the folder refused a lookup (logged once)
         self._lock = threading.Lock()
         self._sweep_stale_tmp()
         self._index: OrderedDict[str, int] = _scan_chunks(self.path)
@@ -195,9 +196,6 @@ class LocalDiskBackend:
 
     def _file(self, key: CacheEngineKey) -> Path:
         return self.path / (hashlib.sha256(key.to_string().encode()).hexdigest() + ".kvchunk")
-
-    def contains(self, key: CacheEngineKey) -> bool:
-        return self._file(key).is_file()  # a directory or a dangling link planted there is no chunk
 
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
         f = self._file(key)
@@ -226,12 +224,36 @@ class LocalDiskBackend:
                 raise ValueError(f"{st.st_size} bytes is more than the tier holds")
             return fh.read()
 
-    def remove(self, key: CacheEngineKey) -> bool:
-        "Delete `key`'s file; True if it was there."
-        f = self._file(key)
-        existed = f.is_file()
-        self._drop(f.name)
-        return existed
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #828b2b2f
+@patch
+def contains(self: LocalDiskBackend, key: CacheEngineKey) -> bool:
+    """Whether `key`'s file is there and a regular file (a directory or a dangling link planted there is no
+    chunk). An error asking (the folder not searchable, EIO, ESTALE) is a miss: counted in `num_errors`,
+    logged once until the folder answers again; never raised. Source: LMCache
+    lmcache/v1/storage_backend/local_disk_backend.py `LocalDiskBackend.contains`."""
+    try:
+        found = self._file(key).is_file()  # False for ENOENT / ENOTDIR / ELOOP; EACCES, EIO... raise
+    except OSError as e:
+        self.num_errors += 1
+        if not self._unsearchable:
+            self._unsearchable = True
+            logger.warning(
+                "LocalDiskBackend: cannot look in %s (%s); every lookup is a miss meanwhile", self.path, e
+            )
+        return False
+    if self._unsearchable:
+        self._unsearchable = False
+        logger.warning("LocalDiskBackend: %s answers again; the disk tier is back", self.path)
+    return found
+
+
+@patch
+def remove(self: LocalDiskBackend, key: CacheEngineKey) -> bool:
+    "Delete `key`'s file; True if it was there (never raises)."
+    f = self._file(key)
+    existed = self.contains(key)
+    self._drop(f.name)
+    return existed
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #a52a93cc
 @patch
@@ -443,7 +465,7 @@ class StorageManager:
     None; `contains(key)`: the tier name holding it or None; `prefix_lookup(keys)`: leading keys present;
     `remove(key)` / `discard(key, reason)`: delete from every tier (discard: a chunk its reader found invalid,
     counted in `num_invalid`); `flush()`: wait for queued writes; `stats()`: hits per tier, misses, errors
-    (invalid chunks included), evictions.
+    (invalid chunks included), evictions; `new_errors()`: errors since its last call.
     Source: LMCache lmcache/v1/storage_backend/storage_manager.py `StorageManager`."""
 
     def __init__(self, config: LMCacheEngineConfig):
@@ -459,6 +481,7 @@ class StorageManager:
         self.num_write_errors = 0
         self.num_read_errors = 0
         self.num_invalid = 0
+        self._reported: dict[str, int] = {}  # new_errors' last totals
         self._pending: dict[CacheEngineKey, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -532,7 +555,7 @@ def contains(self: StorageManager, key: CacheEngineKey) -> str | None:
     if key in self._pending:
         return "pending"
     for t in self.tiers:
-        if t.contains(key):
+        if self._tier_has(t, key):
             return t.name
     return None
 
@@ -551,6 +574,17 @@ def discard(self: StorageManager, key: CacheEngineKey, reason: str) -> None:
     self.num_invalid += 1
     logger.warning("LMCache: chunk %s is invalid (%s); deleted from every tier", key.chunk_hash[:12], reason)
     self.remove(key)
+
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #c82e8841
+@patch
+def _tier_has(self: StorageManager, tier: Any, key: CacheEngineKey) -> bool:
+    "`tier.contains(key)`; a tier that raises (a bug, an I/O error) is counted in `num_read_errors`: absent."
+    try:
+        return bool(tier.contains(key))
+    except Exception as e:
+        self.num_read_errors += 1
+        logger.warning("LMCache: %s.contains failed (%s); treating it as a miss", tier.name, e)
+        return False
 
 
 @patch
@@ -574,7 +608,7 @@ def prefix_lookup(self: StorageManager, keys: list[CacheEngineKey]) -> int:
 def _contains_locally(self: StorageManager, key: CacheEngineKey) -> bool:
     "Whether `key` is queued or in a tier of this machine (CPU, disk)."
     local = (t for t in self.tiers if not isinstance(t, RemoteBackend))
-    return key in self._pending or any(t.contains(key) for t in local)
+    return key in self._pending or any(self._tier_has(t, key) for t in local)
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #0f3829a5
 @patch
@@ -604,3 +638,13 @@ def stats(self: StorageManager) -> dict[str, Any]:
     out = {"hits": dict(self.hits), "misses": self.misses, "errors": errors}
     out["evictions"] = {t.name: t.num_evictions for t in self.tiers if hasattr(t, "num_evictions")}
     return out
+
+
+@patch
+def new_errors(self: StorageManager) -> dict[str, int]:
+    """What went wrong since the last call, for the connector's stats (and so /metrics): `errors` (as in
+    `stats()`: invalid chunks, failed reads and writes, tier errors) and `remote_outages`; non-zero only."""
+    now = {"errors": self.stats()["errors"]}
+    now["remote_outages"] = sum(t.num_outages for t in self.tiers if isinstance(t, RemoteBackend))
+    seen, self._reported = self._reported, now
+    return {name: n - seen.get(name, 0) for name, n in now.items() if n > seen.get(name, 0)}
