@@ -326,6 +326,7 @@ _AMX_SRC = r"""
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#define AMX_MC 256  /* a multiple of 32 */
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_cfg_t;
 static int amx_permitted = 0;
 
@@ -357,14 +358,16 @@ int gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t K, int64_t xs, const bf16_
     for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }  /* every tile 16 rows x 64 bytes */
     _tile_loadconfig(&cfg);
     float out[32 * 32];
+    for (int64_t mc = 0; mc < M; mc += AMX_MC) {  /* rows in chunks whose x stays in L2 across the columns */
+    const int64_t me = M - mc < AMX_MC ? M : mc + AMX_MC;
     #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < NG; g++) {
         const int64_t nb0 = 2 * g, c0 = nb0 * 16;
         const int np = NB - nb0 < 2 ? 1 : 2;
         const bf16_t* p0 = wp + nb0 * K2 * 32;
         const bf16_t* p1 = p0 + K2 * 32;
-        for (int64_t m0 = 0; m0 < M; m0 += 32) {
-            const int two = M - m0 > 16;
+        for (int64_t m0 = mc; m0 < me; m0 += 32) {
+            const int two = me - m0 > 16;
             const bf16_t* a0 = m0 < MF ? x + m0 * xs : tail;
             const bf16_t* a1 = m0 + 16 < MF ? x + (m0 + 16) * xs : tail;
             const int64_t s0 = 2 * (m0 < MF ? xs : K), s1 = 2 * (m0 + 16 < MF ? xs : K);  /* bytes per row */
@@ -382,12 +385,13 @@ int gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t K, int64_t xs, const bf16_
             }
             _tile_stored(0, out, 128); _tile_stored(1, out + 16, 128);
             _tile_stored(2, out + 512, 128); _tile_stored(3, out + 528, 128);
-            const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
+            const int rows = me - m0 < 32 ? (int)(me - m0) : 32;
             const int64_t cols = N - c0 < np * 16 ? N - c0 : np * 16;
             for (int r = 0; r < rows; r++)
                 for (int64_t j = 0; j < cols; j++)
                     y[(m0 + r) * N + c0 + j] = bf16_store(out[r * 32 + j] + (bias ? bf16_load(bias[c0 + j]) : 0.f));
         }
+    }
     }
     _tile_release();
     }

@@ -173,7 +173,7 @@ def test_embedded_model_each_gemm_path_with_graphs_equals_transformers(path, smo
 
 
 # `auto` measures each shape (chapter 30d) and may give a layer a different kernel per row bucket: a decode
-# step of 1, of 2-4, a prefill of 5-16 and one of 17+ rows then run on different kernels. Forced here so every
+# step of 1, of 2-4, a prefill of 5-16, of 17-64 and one of 65+ rows then run on different kernels. Forced here so every
 # bucket has its own kernel whatever this CPU measures: graphs (captured per row count) == eager ==
 # transformers, and only the kernels chosen are packed.
 def test_kernel_per_row_bucket_graphs_equal_eager_and_transformers(tiny, monkeypatch):
@@ -183,13 +183,13 @@ def test_kernel_per_row_bucket_graphs_equal_eager_and_transformers(tiny, monkeyp
             pytest.skip(cannot_run(path, "float32"))
     set_path(monkeypatch, "onednn")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM")
-    table = ("cpu_gemm", "onednn", "F.linear", "onednn")
+    table = ("cpu_gemm", "onednn", "F.linear", "onednn", "cpu_gemm")
     monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: table)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 12, 30, 2)]  # prefills of 3..30 rows
     max_tokens = [9, 4, 7, 6]  # decode batches of 4, 3, 2, 1
     llm = LLM(tiny, dtype="float32", **ENGINE)
-    assert linear_kinds(llm) == {"cpu_gemm/onednn/F.linear/onednn"}
+    assert linear_kinds(llm) == {"cpu_gemm/onednn/F.linear/onednn/cpu_gemm"}
     layers = [m for m in runner_of(llm).model.modules() if hasattr(m, "cpu_linear_kinds")]
     assert all(m.weight.numel() > 0 for m in layers)  # F.linear keeps the plain weight
     before = replays(llm)
@@ -210,7 +210,7 @@ def test_bf16_pairs_kernel_graphs_equal_eager(tiny, monkeypatch):
         pytest.skip("the bfloat16 pairs kernel needs AVX512-BF16 (avx512_bf16), which this CPU lacks")
     set_path(monkeypatch, "onednn")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM")
-    table = ("cpu_gemm_bf16_dp",) * 4
+    table = ("cpu_gemm_bf16_dp",) * 5
     monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: table)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 21, 8, 13)]
@@ -239,7 +239,7 @@ def test_bf16_amx_kernel_graphs_equal_eager(tiny, monkeypatch):
         pytest.skip("the AMX kernel needs amx_tile and amx_bf16 (Sapphire Rapids or later), which this CPU lacks")
     set_path(monkeypatch, "onednn")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM")
-    table = ["cpu_gemm_bf16_amx"] * 4
+    table = ["cpu_gemm_bf16_amx"] * 5
     monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: tuple(table))
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 21, 8, 13)]
@@ -254,7 +254,7 @@ def test_bf16_amx_kernel_graphs_equal_eager(tiny, monkeypatch):
     if cpu_gemm_bf16_dp_available():
         table[:2] = ["cpu_gemm_bf16_dp"] * 2
         mixed = LLM(tiny, dtype="bfloat16", enforce_eager=True, **ENGINE)
-        assert linear_kinds(mixed) == {"cpu_gemm_bf16_dp/cpu_gemm_bf16_dp/cpu_gemm_bf16_amx/cpu_gemm_bf16_amx"}
+        assert linear_kinds(mixed) == {"/".join(table)}
         assert len(greedy(mixed, prompts, max_tokens)) == len(prompts)
         table[:2] = ["cpu_gemm_bf16_amx"] * 2
     monkeypatch.setenv("MINIVLLM_CPU_FLAGS", "avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
@@ -312,7 +312,7 @@ def test_cpu_linear_dispatches_on_the_rows_of_each_call(monkeypatch):
         pytest.skip("needs the C GEMM and oneDNN")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM", raising=False)
     monkeypatch.delenv("MINIVLLM_CPU_GEMM_TUNING", raising=False)
-    table = ("F.linear", "cpu_gemm", "onednn", "cpu_gemm")
+    table = ("F.linear", "cpu_gemm", "onednn", "cpu_gemm", "onednn")
     monkeypatch.setattr(linear, "select_cpu_gemm_kinds", lambda weight, default: table)
     calls = []
 
@@ -327,7 +327,7 @@ def test_cpu_linear_dispatches_on_the_rows_of_each_call(monkeypatch):
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.process_weights_after_loading()
     assert layer.cpu_linear_kinds == table and layer.weight.numel() > 0
-    for rows, kind in ((1, "F.linear"), (3, "cpu_gemm"), (9, "onednn"), (40, "cpu_gemm"), (2048, "cpu_gemm")):
+    for rows, kind in ((1, "F.linear"), (3, "cpu_gemm"), (9, "onednn"), (40, "cpu_gemm"), (64, "cpu_gemm"), (65, "onednn"), (2048, "onednn")):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(layer(x)[0], torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
         assert calls[-1] == kind, (rows, calls[-1])
@@ -404,7 +404,7 @@ def test_a_run_count_that_is_not_a_whole_number_is_measured_again(gemm_cache, ru
     path = utils.cpu_gemm_cache_path()
     path.parent.mkdir(parents=True)
     # F.linear looks 1000x faster than it is: if this entry were trusted, it would be the choice
-    path.write_text(json.dumps({"64x64:float32": {"ms": {"F.linear": [1e-9] * 4}, "runs": runs}}))
+    path.write_text(json.dumps({"64x64:float32": {"ms": {"F.linear": [1e-9] * 5}, "runs": runs}}))
     utils.select_cpu_gemm_kinds(torch.randn(64, 64) * 0.05, "onednn")
     entry = utils._read_choices(path)["64x64:float32"]
     assert entry["runs"] == 1 and type(entry["runs"]) is int  # measured again, counted from 0
@@ -416,7 +416,7 @@ def test_a_folder_in_the_cache_files_place_leaves_no_tmp(gemm_cache):
     path = utils.cpu_gemm_cache_path()
     path.mkdir(parents=True)
     kinds = utils.select_cpu_gemm_kinds(torch.randn(64, 64) * 0.05, "onednn")
-    assert len(kinds) == 4 and path.is_dir()
+    assert len(kinds) == 5 and path.is_dir()
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
@@ -427,13 +427,13 @@ def test_a_cached_kind_that_cannot_be_packed_gives_way_to_the_next_best_measured
         pytest.skip(cannot_run("cpu_gemm", "float32"))
     path = utils.cpu_gemm_cache_path()
     path.parent.mkdir(parents=True)
-    ms = {"onednn": [1.0] * 4, "cpu_gemm": [2.0] * 4, "F.linear": [3.0] * 4}
+    ms = {"onednn": [1.0] * 5, "cpu_gemm": [2.0] * 5, "F.linear": [3.0] * 5}
     path.write_text(json.dumps({"32x64:float32": {"ms": ms, "runs": 3}}))  # final: read, not measured
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # oneDNN cannot pack here
     layer = RowParallelLinear(64, 32, bias=False, params_dtype=torch.float32)
     torch.nn.init.normal_(layer.weight)
     w = layer.weight.detach().clone()
     layer.process_weights_after_loading()
-    assert layer.cpu_linear_kinds == ("cpu_gemm",) * 4  # not F.linear, the slowest
+    assert layer.cpu_linear_kinds == ("cpu_gemm",) * 5  # not F.linear, the slowest
     x = torch.randn(5, 64)
     torch.testing.assert_close(layer(x)[0], torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)

@@ -26,15 +26,21 @@ __all__ = ['logger', 'CPU_GEMM_BUCKET_ROWS', 'CPU_GEMM_MARGIN', 'CPU_GEMM_RUNS',
            'pick_kinds', 'cpu_gemm_kind_available', 'runnable_times', 'cpu_gemm_cache_path', 'select_cpu_gemm_kinds']
 
 # %% ../../../nbs/30d_layer_utils.ipynb #43cd434a
-CPU_GEMM_BUCKET_ROWS = (1, 4, 16, 64)  # the row count each bucket is timed at (its upper end; 64 for 17+)
+CPU_GEMM_BUCKET_ROWS = (
+    1,
+    4,
+    16,
+    64,
+    512,
+)  # the row count each bucket is timed at (its upper end; 512 for 65+)
 CPU_GEMM_MARGIN = 0.10  # a kernel must be this much faster than the flag policy's to replace it
 CPU_GEMM_RUNS = 3  # processes that measure a shape (their best times kept) before its choice is final
 CPU_GEMM_KINDS = ("cpu_gemm", "onednn", "F.linear", "cpu_gemm_bf16_dp", "cpu_gemm_bf16_amx")
 
 
 def m_bucket(rows: int) -> int:
-    "The bucket of a call with `rows` rows: 0 (1 row), 1 (2-4), 2 (5-16), 3 (17+)."
-    return 0 if rows <= 1 else 1 if rows <= 4 else 2 if rows <= 16 else 3
+    "The bucket of a call with `rows` rows: 0 (1 row), 1 (2-4), 2 (5-16), 3 (17-64), 4 (65+)."
+    return 0 if rows <= 1 else 1 if rows <= 4 else 2 if rows <= 16 else 3 if rows <= 64 else 4
 
 
 def cpu_gemm_tuning_enabled() -> bool:
@@ -207,6 +213,7 @@ def cpu_gemm_cache_path():
             "cc=" + str(find_c_compiler() is not None),
             "timing=cold",  # tables timed hot (before `evict_cpu_caches`) are not read
             "kinds=" + ",".join(CPU_GEMM_KINDS),  # a table measured before a kind existed is measured again
+            "rows=" + ",".join(map(str, CPU_GEMM_BUCKET_ROWS)),  # and one measured at other row counts
             "kernels=" + hashlib.sha256(CPU_GEMM_SRC.encode()).hexdigest()[:12],  # and one of changed kernels
         ]
     )

@@ -141,7 +141,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
         q[i].exponential_(generator=g)
     return greedy_sample(probs.div_(q))
 
-
+# %% ../../../nbs/40_sampler.ipynb #15cccc91
 class Sampler(nn.Module):
     """Sample one token per row: min_tokens/logit_bias/penalties → greedy argmax | temperature → min_p →
     top-k/top-p → exponential race; plus raw logprobs. `forward(logits (num_reqs, vocab), metadata) ->
