@@ -1,9 +1,11 @@
 """A toy proxy for prefill/decode disaggregation with minivllm's P2pZmqConnector.
 
-Each completion or chat request goes first to the prefill server (a `kv_producer`) with `max_tokens=1` and
-`kv_transfer_params={"do_remote_decode": true}`; the `kv_transfer_params` of its answer (the producer's block
-ids, engine id, host and port) are added to the original request, which then goes to the decode server (a
-`kv_consumer`). The decode server's answer, streamed or not, is the client's answer.
+Each completion or chat request goes first to the prefill server (a `kv_producer`) with `max_tokens=1`, `n=1`
+and `kv_transfer_params={"do_remote_decode": true}`; the `kv_transfer_params` of its answer (the producer's
+block ids, engine id, host and port) are added to the original request, which then goes to the decode server
+(a `kv_consumer`). The decode server's answer, streamed or not, is the client's answer. A completion of
+several prompts is prefilled but not transferred (the servers refuse to hold blocks one response cannot
+name): the decode server computes it.
 
     minivllm serve MODEL --port 8100 --kv-transfer-config '{"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": 14579}'
     minivllm serve MODEL --port 8200 --kv-transfer-config '{"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer"}'
@@ -71,8 +73,10 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
     client = httpx.AsyncClient(timeout=timeout_s)
 
     async def _prefill(path: str, body: dict, headers: dict) -> dict | Response:
-        p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        # n=1: the prefill is one request whatever the client's n (one response names one set of blocks)
+        p_body = dict(body, max_tokens=1, n=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         p_body.pop("stream_options", None)
+        p_body.pop("best_of", None)
         p_body.pop("max_completion_tokens", None)
         try:
             r = await client.post(prefill_url + path, json=p_body, headers=headers)

@@ -10,6 +10,11 @@
 2. A stopped Redis or a disk tier whose folder was removed were counted only inside the store (`stats()`);
    /metrics showed nothing (the requests still succeeded: the CPU tier served them). The store's errors and
    Redis outages are now `vllm:kv_connector_lmcache_errors` / `..._remote_outages`.
+3. A completion of several prompts (or any request with `n` > 1) through the disaggregation proxy: the P2P
+   producer held every prompt's (every sample's) blocks for a consumer, but the response names at most one
+   set in its one `kv_transfer_params`, so the others stayed held for nobody until `abort_timeout_s` (120 s):
+   five batches of four prompts filled 97% of a small producer's KV cache. The server now serves such a
+   request without `do_remote_decode` (a warning), and the proxy asks its prefill server for `n = 1`.
 """
 
 import errno
@@ -146,3 +151,40 @@ def test_a_stopped_redis_and_a_removed_disk_folder_show_on_metrics(llama, tmp_pa
     finally:
         llm.llm_engine.shutdown()
         redis.stop()
+
+
+def _producer_server(path):
+    from test_server import Server
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.v1.engine.async_llm import AsyncLLM
+    from minivllm.v1.executor.multiproc_executor import get_open_port
+
+    kvt = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": get_open_port()}
+    args = EngineArgs(model=path, **KW, kv_transfer_config=kvt)
+    return Server(AsyncLLM.from_engine_args(args, enable_multiprocessing=False))
+
+
+def test_a_batch_or_n_above_1_holds_no_producer_blocks(llama):
+    path, _ = llama
+    server = _producer_server(path)
+    try:
+        scheduler = server.engine.engine_core.scheduler
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        remote = {"do_remote_decode": True}
+        prompts = [list(range(5 + i, 5 + i + 40)) for i in range(3)]
+        status, batch = server.post("/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 1,
+                                                        "kv_transfer_params": remote})  # fmt: skip
+        assert status == 200 and len(batch["choices"]) == 3 and batch.get("kv_transfer_params") is None
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 30}], "max_tokens": 1, "n": 2}
+        status, sampled = server.post("/v1/chat/completions", dict(chat, kv_transfer_params=remote))
+        assert status == 200 and len(sampled["choices"]) == 2
+        server.wait_idle()
+        assert scheduler.delayed_free_req_ids == set()  # was: 5 requests' blocks held for 120 s
+        assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+        status, one = server.post("/v1/completions", {"model": "tiny", "prompt": prompts[0], "max_tokens": 1,
+                                                      "kv_transfer_params": remote})  # fmt: skip
+        assert status == 200 and one["kv_transfer_params"]["do_remote_prefill"] is True  # one: still held
+        assert len(scheduler.delayed_free_req_ids) == 1
+    finally:
+        server.stop()

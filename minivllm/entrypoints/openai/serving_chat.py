@@ -43,6 +43,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_request_fields,
     create_error_response,
+    drop_unservable_remote_decode,
 )
 from ...multimodal.utils import extract_chat_images
 
@@ -216,6 +217,7 @@ async def create_chat_completion(
         )
     if not request.messages:
         return create_error_response("messages: at least one message is required", param="messages")
+    drop_unservable_remote_decode(request)
     try:
         prepared = await self._run_blocking(self._prepare, request)
     except ValueError as e:

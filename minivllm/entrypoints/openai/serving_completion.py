@@ -29,6 +29,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_request_fields,
     create_error_response,
+    drop_unservable_remote_decode,
 )
 from ...outputs import RequestOutput
 
@@ -109,6 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _prompts_of(request.prompt)
         if not prompts:
             return create_error_response("prompt: at least one prompt is required", param="prompt")
+        drop_unservable_remote_decode(request, len(prompts))
         request_id = f"{self.request_id_prefix}-{random_uuid()}"
         try:
             inputs = await self._run_blocking(self._prepare_inputs, request, prompts)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
@@ -17,10 +18,12 @@ from .protocol import ErrorInfo, ErrorResponse
 from .serving_models import OpenAIServingModels
 from ...envs import env_value
 
+logger = logging.getLogger(__name__)
+
 # %% auto #0
-__all__ = ['INT_FIELD_LIMIT', 'GUIDED_FIELDS', 'UNSUPPORTED_VLLM_FIELDS', 'SAMPLING_FIELDS', 'REQUEST_FIELDS',
-           'create_error_response', 'param_of', 'max_n_sequences', 'check_request_fields', 'OpenAIServing',
-           'listen_for_disconnect', 'with_cancellation']
+__all__ = ['logger', 'INT_FIELD_LIMIT', 'GUIDED_FIELDS', 'UNSUPPORTED_VLLM_FIELDS', 'SAMPLING_FIELDS', 'REQUEST_FIELDS',
+           'create_error_response', 'param_of', 'max_n_sequences', 'check_request_fields',
+           'drop_unservable_remote_decode', 'OpenAIServing', 'listen_for_disconnect', 'with_cancellation']
 
 # %% ../../../nbs/55_serving_engine.ipynb #a49468b4
 def create_error_response(
@@ -118,6 +121,22 @@ def check_request_fields(request: Any) -> ErrorResponse | None:
             f"n must be in [1, {max_n}], got {n} (MINIVLLM_MAX_N_SEQUENCES sets the upper limit).", param="n"
         )
     return _unsupported_feature(request)
+
+# %% ../../../nbs/55_serving_engine.ipynb #222fbd60
+def drop_unservable_remote_decode(request: Any, num_prompts: int = 1) -> None:
+    """Turn `request.kv_transfer_params["do_remote_decode"]` off (warning) when the request makes more than
+    one engine request (`num_prompts` > 1 or `n` > 1): one response cannot name several sets of held blocks.
+    Source: vLLM v0.15 entrypoints/openai/serving_completion.py (one `kv_transfer_params` per response)."""
+    params = getattr(request, "kv_transfer_params", None)
+    n = getattr(request, "n", 1) or 1
+    if not isinstance(params, dict) or not params.get("do_remote_decode") or num_prompts * n == 1:
+        return
+    logger.warning(
+        "kv_transfer_params.do_remote_decode asks a producer to hold one request's KV for a consumer, but "
+        "this request has %d prompt(s) and n=%d (one response names one transfer); computing it without",
+        num_prompts, n,
+    )  # fmt: skip
+    request.kv_transfer_params = dict(params, do_remote_decode=False)
 
 # %% ../../../nbs/55_serving_engine.ipynb #52c8eccd
 def _unsupported_feature(request: Any) -> ErrorResponse | None:
