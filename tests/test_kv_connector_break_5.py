@@ -15,6 +15,8 @@
    set in its one `kv_transfer_params`, so the others stayed held for nobody until `abort_timeout_s` (120 s):
    five batches of four prompts filled 97% of a small producer's KV cache. The server now serves such a
    request without `do_remote_decode` (a warning), and the proxy asks its prefill server for `n = 1`.
+4. ExampleConnector had the fault of 1 in its `_stored` (asked by the scheduler): a `shared_storage_path`
+   without its search bit killed the engine on the next request (PermissionError). Now "not stored".
 """
 
 import errno
@@ -188,3 +190,19 @@ def test_a_batch_or_n_above_1_holds_no_producer_blocks(llama):
         assert len(scheduler.delayed_free_req_ids) == 1
     finally:
         server.stop()
+
+
+def test_example_connector_unsearchable_folder_is_computed_not_a_dead_engine(llama, tmp_path):
+    path, want = llama
+    folder = tmp_path / "kv"
+    kvt = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(folder)}}  # fmt: skip
+    llm = LLM(path, **KW, kv_transfer_config=kvt)
+    try:
+        assert _greedy(llm, PROMPTS[:1]) == want[:1]
+        assert len(list(folder.glob("*.safetensors"))) == 2
+        with _Unsearchable(folder):
+            assert _greedy(llm, PROMPTS) == want  # was: PermissionError out of the scheduler, engine dead
+        assert _greedy(llm, PROMPTS) == want
+    finally:
+        llm.llm_engine.shutdown()

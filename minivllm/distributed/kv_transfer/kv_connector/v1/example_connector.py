@@ -155,14 +155,30 @@ class ExampleConnector(KVConnectorBase_V1):
         shard = "" if self._tp_size == 1 else f".tp{rank}of{self._tp_size}"
         return self._storage / f"{key}{shard}.safetensors"
 
-    def _stored(self, key: str) -> bool:
-        "Whether every tensor-parallel rank's file for `key` is a regular file (a planted directory is not)."
-        return all(self._path(key, r).is_file() for r in range(self._tp_size))
-
     def _keys(self, request: Any) -> list[str]:
         salt = getattr(request, "cache_salt", None) or ""
         root = hashlib.sha256(f"minivllm-example|{self._model_tag}|{salt}".encode()).digest()
         return example_connector_block_keys(root, request.prompt_token_ids, self._block_size)
+
+# %% ../../../../../nbs/47c_example_connector.ipynb #ed91ef47
+_UNSEARCHABLE: set[str] = set()  # folders whose lookup error was logged (once per process)
+
+
+@patch
+def _stored(self: ExampleConnector, key: str) -> bool:
+    """Whether every tensor-parallel rank's file for `key` is a regular file (a planted directory is not). An
+    error asking (the folder not searchable, EIO, ESTALE) is "not stored", never raised.
+    Source: vLLM v0.15 distributed/kv_transfer/kv_connector/v1/example_connector.py
+    `_found_match_for_prompt` (role)."""
+    try:
+        return all(self._path(key, r).is_file() for r in range(self._tp_size))
+    except OSError as e:
+        if str(self._storage) not in _UNSEARCHABLE:
+            _UNSEARCHABLE.add(str(self._storage))
+            logger.warning(
+                "ExampleConnector: cannot look in %s (%s); its blocks are computed", self._storage, e
+            )
+        return False
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #3b07fb19
 @patch
