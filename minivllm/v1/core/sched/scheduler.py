@@ -584,7 +584,7 @@ def _schedule_waiting(
             num_external_computed_tokens=num_external,
         )
         if new_blocks is None:
-            if not self.running:
+            if not self.running and self._pool_is_empty():
                 self._ignore_request(self.waiting.pop_request())  # can never fit
             break
         if self.connector is not None:
@@ -705,6 +705,16 @@ def _update_waiting_for_remote_kv(self: Scheduler, request: Request) -> bool:
         self.kv_cache_manager.cache_blocks(request, num_computed)
     request.num_computed_tokens = num_computed
     return True
+
+
+@patch
+def _pool_is_empty(self: Scheduler) -> bool:
+    """Whether no request holds a block (all are free or only cached). Nothing running is not enough:
+    a request waiting for its remote KV (WAITING_FOR_REMOTE_KVS) holds the blocks the load fills, and a
+    finished one a P/D consumer has yet to pull (or an asynchronous save) holds its blocks until then; a
+    request that does not fit beside them waits for them, it is not ignored."""
+    pool = self.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() >= pool.num_gpu_blocks - 1  # the null block is never free
 
 
 @patch

@@ -1,0 +1,113 @@
+"""Issue 30, seventh break pass: connectors combined with tensor / data parallelism, hybrid KV groups,
+damaged encoder-cache entries, layer-wise loads and concurrency.
+
+- A request that does not fit in the free KV cache while nothing is *running* was finished at once as
+  "needs more KV cache than the whole pool holds" (empty output, finish reason "length"), although the
+  blocks were held only for a moment: by requests waiting for their remote KV (a P/D consumer) or by
+  finished requests a consumer has yet to pull (a P/D producer). It now waits for those blocks.
+"""
+import os
+import socket
+import time
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+# shorter than the window (8), exactly one and four blocks (block_size 4), one token, past a block, long
+PROMPTS = [list(range(5, 10)), list(range(20, 28)), list(range(40, 56)), [60], list(range(70, 79)),
+           list(range(100, 133))]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(autouse=True)
+def in_process_engine(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # 4 layers: sliding (window 8), full, sliding, full
+    path = make_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"), num_hidden_layers=4)
+    ref = _llm(path)
+    try:
+        return path, _greedy(ref, PROMPTS)
+    finally:
+        ref.llm_engine.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llm(path, kvt=None, mem=8 << 20):
+    return LLM(path, dtype="float32", max_model_len=48, block_size=4, kv_cache_memory_bytes=mem,
+               kv_transfer_config=kvt)
+
+
+def _core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _greedy(llm, prompts, params=None):
+    sps = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          extra_args={"kv_transfer_params": p} if p else None)
+           for p in params or [None] * len(prompts)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prefill(prod, prompts):
+    "The producer's kv_transfer_params for each prompt (one at a time, its blocks held for the consumer)."
+    params = []
+    for p in prompts:
+        sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        params.append(prod.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].kv_transfer_params)
+        prod.llm_engine.step()  # the worker learns it may serve the blocks
+    return params
+
+
+def test_a_consumer_with_loads_in_flight_does_not_ignore_a_request_that_fits_later(gemma):
+    """A consumer whose pool (11 blocks of 4 tokens) cannot hold every pulled request at once: the ones that
+    do not fit beside the requests waiting for their KV wait. Before, the last two were "ignored" (empty
+    output) and the producer held their blocks until abort_timeout_s."""
+    path, expected = gemma
+    prod = _llm(path, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": _free_port()})
+    cons = _llm(path, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                       "kv_connector_extra_config": {"transfer_timeout_s": 10}}, mem=100_000)
+    try:
+        cpool = _core(cons).scheduler.kv_cache_manager.block_pool
+        assert cpool.num_gpu_blocks - 1 < sum(-(-(len(p) + MAX_TOKENS) // 4) for p in PROMPTS)
+        params = _prefill(prod, PROMPTS)
+        assert _greedy(cons, PROMPTS, params) == expected  # all at once
+        ppool = _core(prod).scheduler.kv_cache_manager.block_pool
+        deadline = time.monotonic() + 20
+        while ppool.get_num_free_blocks() < ppool.num_gpu_blocks - 1 and time.monotonic() < deadline:
+            prod.llm_engine.step()
+            time.sleep(0.01)
+        assert ppool.get_num_free_blocks() == ppool.num_gpu_blocks - 1  # every request was pulled
+        assert cpool.get_num_free_blocks() == cpool.num_gpu_blocks - 1
+    finally:
+        prod.llm_engine.shutdown()
+        cons.llm_engine.shutdown()
+
+
+def test_a_producer_holding_blocks_for_pulls_does_not_ignore_a_new_request(gemma):
+    """A producer whose pool is mostly held for pulls that never come: a new request waits for the held
+    blocks (abort_timeout_s, here 2 s) instead of being finished at once with no tokens."""
+    path, expected = gemma
+    prod = _llm(path, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": _free_port(),
+                       "kv_connector_extra_config": {"abort_timeout_s": 2}}, mem=100_000)
+    try:
+        _prefill(prod, [PROMPTS[5]])  # 33 tokens: 9 of the 11 blocks held for a consumer that never pulls
+        started = time.monotonic()
+        assert _greedy(prod, [PROMPTS[4]]) == [expected[4]]  # 9 + 6 tokens: 4 blocks
+        assert time.monotonic() - started < 30
+    finally:
+        prod.llm_engine.shutdown()
