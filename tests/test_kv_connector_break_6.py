@@ -5,12 +5,18 @@ damaged encoder-cache entries, layer-wise loads and concurrency.
   "needs more KV cache than the whole pool holds" (empty output, finish reason "length"), although the
   blocks were held only for a moment: by requests waiting for their remote KV (a P/D consumer) or by
   finished requests a consumer has yet to pull (a P/D producer). It now waits for those blocks.
+- An EC consumer at TP=2 whose encoder-output load failed on one rank only (each rank reads the shared
+  folder itself: an EIO, a file removed or replaced between the ranks' reads) ran the encoder on that rank
+  alone; its peer never joined the encoder's all-reduce, gloo aborted the worker (signal 6) and the engine
+  died. The ranks now agree after loading: an output some rank lacks is encoded by all of them.
 """
 import os
 import socket
 import time
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_checkpoint
@@ -111,3 +117,56 @@ def test_a_producer_holding_blocks_for_pulls_does_not_ignore_a_new_request(gemma
         assert time.monotonic() - started < 30
     finally:
         prod.llm_engine.shutdown()
+
+
+def _image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+def test_ec_consumer_tp2_with_a_load_failing_on_one_rank_encodes_on_every_rank(tmp_path_factory, tmp_path):
+    from minivllm.distributed.ec_transfer.ec_connector import example_connector as ecx
+    from minivllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    ckpt = make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+    kw = dict(dtype="float32", block_size=4, max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    items = [{"prompt": f"<bos>Look at <start_of_image> number {w} and say", "multi_modal_data": {"image": [_image(i)]}}
+             for i, w in enumerate(["one", "two"])]  # fmt: skip
+    folder, marker = tmp_path / "ec", tmp_path / "rank1-failed"
+
+    def ec(role):
+        return {"ec_connector": "ECExampleConnector", "ec_role": role,
+                "ec_connector_extra_config": {"shared_storage_path": str(folder)}}
+
+    ref = LLM(ckpt, **kw)
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(items, greedy, use_tqdm=False)]
+    finally:
+        ref.llm_engine.shutdown()
+    producer = LLM(ckpt, **kw, ec_transfer_config=ec("ec_producer"))
+    try:
+        producer.generate(items, greedy, use_tqdm=False)
+    finally:
+        producer.llm_engine.shutdown()
+    assert len(list(folder.glob("*/encoder_cache.safetensors"))) == 2
+    load_one = ecx.ECExampleConnector._load_one
+
+    def rank1_fails(self, mm):  # the forked workers inherit it: rank 1's read fails, rank 0's succeeds
+        if get_tensor_model_parallel_rank() == 1:
+            marker.touch()
+            return None
+        return load_one(self, mm)
+
+    ecx.ECExampleConnector._load_one = rank1_fails
+    try:
+        consumer = LLM(ckpt, tensor_parallel_size=2, **kw, ec_transfer_config=ec("ec_consumer"))
+    finally:
+        ecx.ECExampleConnector._load_one = load_one
+    try:
+        got = [o.outputs[0].token_ids for o in consumer.generate(items, greedy, use_tqdm=False)]  # was: died
+        assert marker.exists()  # rank 1's loads did fail
+        assert got == expected
+        assert [o.outputs[0].token_ids for o in consumer.generate(items, greedy, use_tqdm=False)] == expected
+    finally:
+        consumer.llm_engine.shutdown()

@@ -5,17 +5,22 @@
 # %% ../../../nbs/47j_ec_connector_model_runner_mixin.ipynb #29f37387
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ...distributed.ec_transfer.ec_transfer_state import get_ec_transfer, has_ec_transfer
+from ...distributed.parallel_state import get_tp_group
 from ..outputs import ECConnectorOutput
 
+logger = logging.getLogger(__name__)
+
 # %% auto #0
-__all__ = ['ECConnectorModelRunnerMixin']
+__all__ = ['logger', 'ECConnectorModelRunnerMixin', 'agree_on_loads']
 
 # %% ../../../nbs/47j_ec_connector_model_runner_mixin.ipynb #2de0c4e8
 class ECConnectorModelRunnerMixin:
@@ -59,9 +64,34 @@ class ECConnectorModelRunnerMixin:
         try:
             if connector.is_consumer:
                 connector.start_load_caches(encoder_cache=encoder_cache)
+                agree_on_loads(scheduler_output.ec_connector_metadata, encoder_cache)
             yield output
         finally:
             output.finished_sending, output.finished_recving = connector.get_finished(
                 scheduler_output.finished_req_ids
             )
             connector.clear_connector_metadata()
+
+# %% ../../../nbs/47j_ec_connector_model_runner_mixin.ipynb #82ad18e4
+def agree_on_loads(meta: Any, encoder_cache: dict[str, torch.Tensor]) -> list[str]:
+    """Drop from `encoder_cache`, on every tensor-parallel rank, each output `meta` lists that some rank
+    failed to load, and return those identifiers (a no-op for one rank). Every rank calls it with the same
+    `meta` (the scheduler's, broadcast), so all of them join the all-reduce or none does.
+    Source: vLLM v0.15 v1/worker/ec_connector_model_runner_mixin.py (there every rank loads on its own)."""
+    tp = get_tp_group()
+    hashes = [mm.mm_hash for mm in getattr(meta, "mm_datas", None) or []]
+    if tp.world_size == 1 or not hashes:
+        return []
+    nccl = dist.get_backend(tp.device_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    held = torch.tensor([h in encoder_cache for h in hashes], dtype=torch.int32, device=device)
+    counts = tp.all_reduce(held).tolist()
+    partial = [h for h, n in zip(hashes, counts) if 0 < n < tp.world_size]
+    for h in partial:
+        encoder_cache.pop(h, None)
+    if partial:
+        logger.warning(
+            "EC connector: %d encoder outputs loaded on some tensor-parallel ranks only; all encode them",
+            len(partial),
+        )
+    return partial
