@@ -159,8 +159,7 @@ DEFINE_ALL(f16, _Float16, f16_load, f16_store, f16_round)
 """  # noqa: E501
 
 # %% ../nbs/kernels/03_cpu_ops.ipynb #e757386b
-_ARGMAX_SRC = r"""/* out[r] = the index of the first largest element of row r (n elements at x + r * s), or of its first NaN. */
-#if defined(__AVX512F__)
+_ARGMAX_VEC_SRC = r"""#if defined(__AVX512F__)
 #include <immintrin.h>
 static inline __m512 argmax_load16_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 argmax_load16_bf16(const bf16_t* p) {
@@ -168,23 +167,6 @@ static inline __m512 argmax_load16_bf16(const bf16_t* p) {
 }
 static inline __m512 argmax_load16_f16(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #endif
-#define DEFINE_ARGMAX(SUF, T, LOAD)                                                                          \
-static int64_t argmax_row_##SUF(const T* x, int64_t n) {                                                     \
-    int64_t i = 1, best = 0;                                                                                 \
-    float bv = LOAD(x[0]);                                                                                   \
-    ARGMAX_VEC(SUF)                                                                                          \
-    for (; i < n; i++) {                                                                                     \
-        const float v = LOAD(x[i]);                                                                          \
-        if (v > bv) { bv = v; best = i; }                                                                    \
-        else if (v != v) break;                                                                              \
-    }                                                                                                        \
-    if (bv != bv || i < n) for (int64_t j = 0; j < n; j++) { const float v = LOAD(x[j]); if (v != v) return j; } \
-    return best;                                                                                             \
-}                                                                                                            \
-void argmax_rows_##SUF(const T* x, int64_t rows, int64_t n, int64_t s, int64_t* out, int nthreads) {         \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(rows * n >= 8 * PAR_MIN_ELEMS)")     \
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row_##SUF(x + r * s, n);                              \
-}
 #if defined(__AVX512F__)
 /* 16 lanes: lane l holds the largest of x[l], x[l + 16], ... and its index; a NaN anywhere sends the row to
    the scalar scan for its first NaN. Leaves bv/best as the first maximum of x[0, i) and i at the tail. */
@@ -207,9 +189,56 @@ void argmax_rows_##SUF(const T* x, int64_t rows, int64_t n, int64_t s, int64_t* 
         best = _mm512_mask_reduce_min_epi32(eq, vidx);                                                       \
     }                                                                                                        \
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline __m256 argmax_load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 argmax_load8_bf16(const bf16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 argmax_load8_f16(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+/* The same on AVX2's 8 lanes (blends instead of masks), the lanes reduced in scalar code. */
+#define ARGMAX_VEC(SUF) if (n >= 16) {                                                                       \
+    __m256 vmax = argmax_load8_##SUF(x), nan = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);                       \
+    __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vidx = cur;                                       \
+    for (i = 8; i + 8 <= n; i += 8) {                                                                        \
+        const __m256 v = argmax_load8_##SUF(x + i);                                                          \
+        cur = _mm256_add_epi32(cur, _mm256_set1_epi32(8));                                                   \
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                                          \
+        const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);                                                \
+        vmax = _mm256_blendv_ps(vmax, v, gt);                                                                \
+        vidx = _mm256_blendv_epi8(vidx, cur, _mm256_castps_si256(gt));                                       \
+    }                                                                                                        \
+    if (_mm256_movemask_ps(nan)) { bv = NAN; i = n; } else {                                                 \
+        float lv[8]; int32_t li[8];                                                                          \
+        _mm256_storeu_ps(lv, vmax); _mm256_storeu_si256((__m256i*)li, vidx);                                 \
+        bv = lv[0]; best = li[0];                                                                            \
+        for (int l = 1; l < 8; l++) if (lv[l] > bv || (lv[l] == bv && li[l] < best)) { bv = lv[l]; best = li[l]; } \
+    }                                                                                                        \
+}
 #else
 #define ARGMAX_VEC(SUF)
 #endif
+"""  # noqa: E501
+
+# %% ../nbs/kernels/03_cpu_ops.ipynb #1a4b6f44
+_ARGMAX_SRC = r"""/* out[r] = the index of the first largest element of row r (n elements at x + r * s), or of its first NaN. */
+#define DEFINE_ARGMAX(SUF, T, LOAD)                                                                          \
+static int64_t argmax_row_##SUF(const T* x, int64_t n) {                                                     \
+    int64_t i = 1, best = 0;                                                                                 \
+    float bv = LOAD(x[0]);                                                                                   \
+    ARGMAX_VEC(SUF)                                                                                          \
+    for (; i < n; i++) {                                                                                     \
+        const float v = LOAD(x[i]);                                                                          \
+        if (v > bv) { bv = v; best = i; }                                                                    \
+        else if (v != v) break;                                                                              \
+    }                                                                                                        \
+    if (bv != bv || i < n) for (int64_t j = 0; j < n; j++) { const float v = LOAD(x[j]); if (v != v) return j; } \
+    return best;                                                                                             \
+}                                                                                                            \
+void argmax_rows_##SUF(const T* x, int64_t rows, int64_t n, int64_t s, int64_t* out, int nthreads) {         \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(rows * n >= 8 * PAR_MIN_ELEMS)")     \
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row_##SUF(x + r * s, n);                              \
+}
 DEFINE_ARGMAX(f32, float, f32_id)
 DEFINE_ARGMAX(bf16, bf16_t, bf16_load)
 DEFINE_ARGMAX(f16, _Float16, f16_load)
@@ -224,6 +253,7 @@ CPU_OPS_SRC = (
     + _ROPE_SRC
     + _INSTANCES_SRC
     + _CACHE_SRC
+    + _ARGMAX_VEC_SRC
     + _ARGMAX_SRC
 )
 

@@ -70,3 +70,36 @@ def test_flag_names_are_case_insensitive_and_a_list_of_no_flags_is_an_error(monk
     ckpt = make_tiny_checkpoint("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match="MINIVLLM_CPU_FLAGS"):
         EngineArgs(model=str(ckpt), dtype="auto", max_model_len=64).create_engine_config()
+
+
+_ARGMAX_CHECK = """
+import torch
+from kernels.cpu_ops import argmax_rows
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rows, n in ((1, 1), (3, 9), (2, 15), (4, 16), (5, 33), (3, 1000), (8, 49152)):
+        x = torch.randint(-3, 3, (rows, n), generator=g).to(dtype)  # many ties: the first index wins
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), (dtype, rows, n)
+        y = torch.randn(rows, n, generator=g).to(dtype)
+        assert torch.equal(argmax_rows(y), y.argmax(dim=-1)), (dtype, rows, n)
+z = torch.randn(4, 100, generator=g)
+z[0, 50] = z[0, 70] = float("nan")
+z[1, 99] = float("nan")
+z[2] = float("-inf")
+assert argmax_rows(z).tolist() == z.argmax(dim=-1).tolist()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(find_c_compiler() is None, reason="needs a C compiler")
+@pytest.mark.parametrize("view", ["", "avx2,fma,f16c", "sse2"])
+def test_greedy_pick_equals_torch_argmax_on_each_build(tmp_path, view):
+    """`argmax_rows` (kernels chapter 03) has an AVX-512 scan, an AVX2 one and a scalar one; each CPU view
+    builds its own library (in a fresh process, the library is cached per process) and must give torch's
+    index: the first on ties, the first NaN. A view this CPU lacks only narrows to what it has."""
+    import os
+    import sys
+    env = {**os.environ, "MINIVLLM_CACHE_DIR": str(tmp_path), "MINIVLLM_CPU_FLAGS": view}
+    res = subprocess.run([sys.executable, "-c", _ARGMAX_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

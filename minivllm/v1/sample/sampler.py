@@ -119,12 +119,13 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 # %% ../../../nbs/40_sampler.ipynb #dcb4572c
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value: (n, vocab) float32 / bfloat16 / float16 -> (n,) int64, the first
-    on ties, a NaN's where a row has one (as `argmax`). On a CPU with AVX-512 in view (`cpu_flags()`), by the
-    C kernel `kernels.cpu_ops.argmax_rows` (one read of each row in its own dtype); elsewhere by
-    `max(dim=-1).indices`, which gives the same index faster than torch's CPU `argmax` (32 x 49152 float32 on
-    2 threads: 0.08 ms in C from bfloat16, 0.62 ms by `max` after a 0.2-0.5 ms widening, 1.48 ms by `argmax`).
+    on ties, a NaN's where a row has one (as `argmax`). On a CPU with AVX2 in view (`cpu_flags()`), by the C
+    kernel `kernels.cpu_ops.argmax_rows` (one read of each row in its own dtype, AVX-512 or AVX2 lanes);
+    elsewhere by `max(dim=-1).indices`, which gives the same index faster than torch's CPU `argmax` (32 x
+    49152 float32 on 2 threads: 0.08 ms in C from bfloat16, 0.62 ms by `max` after a 0.2-0.5 ms widening,
+    1.48 ms by `argmax`).
     Source: vLLM v0.15 v1/sample/sampler.py `greedy_sample`."""
-    if logits.dim() == 2 and logits.shape[1] and "avx512f" in cpu_flags() and can_use_cpu_ops(logits):
+    if logits.dim() == 2 and logits.shape[1] and "avx2" in cpu_flags() and can_use_cpu_ops(logits):
         if logits.shape[0] <= 1 or logits.stride(1) == 1:
             return argmax_rows(logits)
     return logits.max(dim=-1).indices
