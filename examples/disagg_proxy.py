@@ -72,12 +72,16 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
     app = FastAPI()
     client = httpx.AsyncClient(timeout=timeout_s)
 
-    async def _prefill(path: str, body: dict, headers: dict) -> dict | Response:
+    def _prefill_body(body: dict) -> dict:
         # n=1: the prefill is one request whatever the client's n (one response names one set of blocks)
         p_body = dict(body, max_tokens=1, n=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         p_body.pop("stream_options", None)
         p_body.pop("best_of", None)
         p_body.pop("max_completion_tokens", None)
+        return p_body
+
+    async def _prefill(path: str, body: dict, headers: dict) -> dict | Response:
+        p_body = _prefill_body(body)
         try:
             r = await client.post(prefill_url + path, json=p_body, headers=headers)
         except httpx.HTTPError as e:
@@ -91,6 +95,21 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
         if not isinstance(answer, dict):
             return error_response(502, "the prefill server's answer is not an object")
         return answer
+
+    async def _release(path: str, body: dict, params: dict | None, headers: dict) -> None:
+        """The decode server refused the request (a `max_tokens` too large for it, a parameter the prefill
+        request did not carry): nobody pulls the blocks the producer holds for it, so they stayed held until
+        its `abort_timeout_s` (120 s), and a client repeating such requests filled the producer's KV cache.
+        Ask the decode server for the request the producer served (one token): it pulls, the producer frees.
+        """
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        try:
+            await client.post(decode_url + path, json=dict(_prefill_body(body), kv_transfer_params=params),
+                              headers=headers)  # fmt: skip
+        except httpx.HTTPError as e:
+            logger.warning("decode server %s: %s: %s (releasing the producer's blocks)", decode_url,
+                           type(e).__name__, e)  # fmt: skip
 
     async def _relay(upstream: httpx.Response):
         try:
@@ -114,10 +133,14 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
         prefilled = await _prefill(path, body, headers)
         if isinstance(prefilled, Response):
             return prefilled
-        d_body = dict(body, kv_transfer_params=prefilled.get("kv_transfer_params"))
+        params = prefilled.get("kv_transfer_params")
+        d_body = dict(body, kv_transfer_params=params)
         try:
             if not body.get("stream"):
-                return passthrough(await client.post(decode_url + path, json=d_body, headers=headers))
+                answer = await client.post(decode_url + path, json=d_body, headers=headers)
+                if 400 <= answer.status_code < 500:
+                    await _release(path, body, params, headers)
+                return passthrough(answer)
             req = client.build_request("POST", decode_url + path, json=d_body, headers=headers)
             upstream = await client.send(req, stream=True)
         except httpx.HTTPError as e:
@@ -125,6 +148,8 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
         if upstream.status_code != 200:
             await upstream.aread()
             await upstream.aclose()
+            if 400 <= upstream.status_code < 500:
+                await _release(path, body, params, headers)
             return passthrough(upstream)
         return StreamingResponse(_relay(upstream), status_code=200, media_type="text/event-stream")
 

@@ -9,6 +9,10 @@ damaged encoder-cache entries, layer-wise loads and concurrency.
   folder itself: an EIO, a file removed or replaced between the ranks' reads) ran the encoder on that rank
   alone; its peer never joined the encoder's all-reduce, gloo aborted the worker (signal 6) and the engine
   died. The ranks now agree after loading: an output some rank lacks is encoded by all of them.
+- examples/disagg_proxy.py: a request the decode server refused (a `max_tokens` too large for it: the
+  producer was asked for one token, so it accepted) left the producer holding its blocks for a pull that never
+  came, until `abort_timeout_s` (120 s); a client repeating it filled the producer's KV cache. The proxy now
+  asks the decode server for the one-token request the producer served, which pulls and frees them.
 """
 import os
 import socket
@@ -170,3 +174,50 @@ def test_ec_consumer_tp2_with_a_load_failing_on_one_rank_encodes_on_every_rank(t
         assert [o.outputs[0].token_ids for o in consumer.generate(items, greedy, use_tqdm=False)] == expected
     finally:
         consumer.llm_engine.shutdown()
+
+
+def test_a_request_the_decode_server_refuses_leaves_no_producer_blocks_held(tmp_path_factory):
+    import importlib.util
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+    from test_server import API_KEY, Server  # tests/ is on sys.path
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    spec = importlib.util.spec_from_file_location(
+        "disagg_proxy", Path(__file__).resolve().parents[1] / "examples" / "disagg_proxy.py"
+    )
+    disagg_proxy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(disagg_proxy)
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    kw = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20)
+
+    def server(kvt):
+        return Server(AsyncLLM.from_engine_args(EngineArgs(model=path, **kw, kv_transfer_config=kvt),
+                                                enable_multiprocessing=False))  # fmt: skip
+
+    prod = server({"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": _free_port()})
+    cons = server({"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer"})
+    try:
+        scheduler = prod.engine.engine_core.scheduler
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        with TestClient(disagg_proxy.build_app(prod.url, cons.url)) as proxy:  # one event loop throughout
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            prompt = list(range(5, 5 + 60))
+            for stream in (False, True):
+                r = proxy.post("/v1/completions", headers=headers,
+                               json={"model": "tiny", "prompt": prompt, "max_tokens": 500, "stream": stream})
+                assert r.status_code == 400, r.text  # the decode server's refusal, passed on
+                assert "error" in r.json()
+            prod.wait_idle()
+            cons.wait_idle()
+            assert scheduler.delayed_free_req_ids == set()  # was: both requests' blocks held for 120 s
+            assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+            r = proxy.post("/v1/completions", headers=headers,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    finally:
+        prod.stop()
+        cons.stop()
