@@ -13,6 +13,10 @@ damaged encoder-cache entries, layer-wise loads and concurrency.
   producer was asked for one token, so it accepted) left the producer holding its blocks for a pull that never
   came, until `abort_timeout_s` (120 s); a client repeating it filled the producer's KV cache. The proxy now
   asks the decode server for the one-token request the producer served, which pulls and frees them.
+- ExampleConnector and LMCache keyed stored KV by the prompt's token ids only: the same text with another
+  image has the same ids (the image's placeholders), so its request loaded the first image's KV and answered
+  for that image (silently wrong tokens). The keys now replace each item's placeholder positions with values
+  derived from its identifier, as vLLM's connectors fold in the mm hashes.
 """
 import os
 import socket
@@ -221,3 +225,42 @@ def test_a_request_the_decode_server_refuses_leaves_no_producer_blocks_held(tmp_
     finally:
         prod.stop()
         cons.stop()
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "LMCacheConnectorV1"])
+def test_the_same_text_with_another_image_is_not_a_hit(tmp_path_factory, tmp_path, connector):
+    ckpt = make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+    kw = dict(dtype="float32", block_size=4, max_model_len=512, kv_cache_memory_bytes=16 << 20,
+              enable_prefix_caching=False)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    items = [{"prompt": "<bos>Look at <start_of_image> and say something long enough for blocks",
+              "multi_modal_data": {"image": [_image(seed)]}} for seed in (0, 1)]  # fmt: skip
+    ref = LLM(ckpt, **kw)
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(items, greedy, use_tqdm=False)]
+    finally:
+        ref.llm_engine.shutdown()
+    assert expected[0] != expected[1]  # the image matters to this checkpoint
+    if connector == "ExampleConnector":
+        extra = {"shared_storage_path": str(tmp_path)}
+    else:
+        extra = {"chunk_size": 4, "local_cpu": True, "max_local_cpu_size": 0.05}
+    llm = LLM(ckpt, **kw, kv_transfer_config={"kv_connector": connector, "kv_role": "kv_both",
+                                              "kv_connector_extra_config": extra})  # fmt: skip
+    try:
+        scheduler = _core(llm).scheduler
+        counts, schedule = [], scheduler.schedule
+
+        def counting():
+            so = schedule()
+            counts.append(sum(so.num_scheduled_tokens.values()))
+            return so
+
+        scheduler.schedule = counting
+        got = [llm.generate([item], greedy, use_tqdm=False)[0].outputs[0].token_ids for item in items]
+        assert got == expected  # was: the second image answered as the first (its KV loaded)
+        counts.clear()
+        assert llm.generate([items[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+        assert counts[0] < 8  # the same image again is loaded: only the prompt's tail is computed
+    finally:
+        llm.llm_engine.shutdown()

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'MIN_STALE_TMP_S', 'example_connector_block_keys', 'safetensors_digest', 'stale_tmp_seconds',
-           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'ExampleConnector']
+           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'mm_keyed_token_ids', 'ExampleConnector']
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #1acc6013
 def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: int) -> list[str]:
@@ -105,6 +105,26 @@ class ExampleConnectorMetadata(KVConnectorMetadata):
     req_ids: list[str] = field(default_factory=list)
     req_blocks: dict[str, list[int]] = field(default_factory=dict)
 
+# %% ../../../../../nbs/47c_example_connector.ipynb #d7acbcc2
+def mm_keyed_token_ids(request: Any) -> list[int]:
+    """`request.prompt_token_ids` with each multimodal item's placeholder positions replaced: position k of an
+    item holds the first 31 bits of sha256(identifier | k), so two items differ in every position (a prompt
+    without items is returned as is). KV connectors key stored KV by these ids.
+    Source: vLLM v0.15 distributed/kv_transfer/kv_connector/v1/lmcache_integration/utils.py
+    `apply_mm_hashes_to_token_ids` (one int16 per item there) and example_connector.py (the mm hashes in
+    the folder name)."""
+    token_ids = request.prompt_token_ids
+    features = getattr(request, "mm_features", None) or []
+    if not features or token_ids is None:
+        return token_ids
+    keyed = list(token_ids)
+    for feature in features:
+        pos = feature.mm_position
+        for k in range(pos.offset, min(pos.offset + pos.length, len(keyed))):
+            digest = hashlib.sha256(f"{feature.identifier}|{k - pos.offset}".encode()).digest()
+            keyed[k] = int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return keyed
+
 # %% ../../../../../nbs/47c_example_connector.ipynb #6bed6323
 @dataclass
 class _ExampleReqState:
@@ -158,7 +178,7 @@ class ExampleConnector(KVConnectorBase_V1):
     def _keys(self, request: Any) -> list[str]:
         salt = getattr(request, "cache_salt", None) or ""
         root = hashlib.sha256(f"minivllm-example|{self._model_tag}|{salt}".encode()).digest()
-        return example_connector_block_keys(root, request.prompt_token_ids, self._block_size)
+        return example_connector_block_keys(root, mm_keyed_token_ids(request), self._block_size)
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #ed91ef47
 _UNSEARCHABLE: set[str] = set()  # folders whose lookup error was logged (once per process)
