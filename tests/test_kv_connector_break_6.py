@@ -17,6 +17,9 @@ damaged encoder-cache entries, layer-wise loads and concurrency.
   image has the same ids (the image's placeholders), so its request loaded the first image's KV and answered
   for that image (silently wrong tokens). The keys now replace each item's placeholder positions with values
   derived from its identifier, as vLLM's connectors fold in the mm hashes.
+- The same two connectors ignored LoRA: a request with an adapter loaded the KV stored for the base model's
+  run of the same prompt (and the reverse), so it answered with the base model's tokens. The adapter's name
+  now joins the request's cache_salt in the keys (vLLM's prefix cache does the same).
 """
 import os
 import socket
@@ -262,5 +265,45 @@ def test_the_same_text_with_another_image_is_not_a_hit(tmp_path_factory, tmp_pat
         counts.clear()
         assert llm.generate([items[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
         assert counts[0] < 8  # the same image again is loaded: only the prompt's tail is computed
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "LMCacheConnectorV1"])
+def test_a_lora_request_does_not_load_the_base_models_kv(tmp_path_factory, tmp_path, connector):
+    pytest.importorskip("peft", reason="the adapter is built with peft")
+    from test_lora import _make_adapter  # tests/ is on sys.path
+
+    from minivllm.lora.request import LoRARequest
+
+    root = tmp_path_factory.mktemp("lora")
+    path = make_tiny_checkpoint("llama", root / "base")
+    _make_adapter(path, root / "a", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=10)
+    lora = LoRARequest("a", 1, str(root / "a"))
+    prompt = [{"prompt_token_ids": list(range(5, 5 + 40))}]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20,
+              enable_prefix_caching=False, enable_lora=True, max_lora_rank=8, max_loras=1)  # fmt: skip
+
+    def run(llm, lora_request=None):
+        return llm.generate(prompt, greedy, use_tqdm=False, lora_request=lora_request)[0].outputs[0].token_ids
+
+    ref = LLM(path, **kw)
+    try:
+        base, adapted = run(ref), run(ref, lora)
+    finally:
+        ref.llm_engine.shutdown()
+    assert base != adapted  # the adapter matters
+    if connector == "ExampleConnector":
+        extra = {"shared_storage_path": str(tmp_path)}
+    else:
+        extra = {"chunk_size": 16, "local_cpu": True, "max_local_cpu_size": 0.05}
+    llm = LLM(path, **kw, kv_transfer_config={"kv_connector": connector, "kv_role": "kv_both",
+                                              "kv_connector_extra_config": extra})  # fmt: skip
+    try:
+        assert run(llm) == base
+        assert run(llm, lora) == adapted  # was: the base model's KV loaded, its tokens answered
+        assert run(llm) == base  # and the adapter's KV is not loaded for the base model
+        assert run(llm, lora) == adapted
     finally:
         llm.llm_engine.shutdown()

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'MIN_STALE_TMP_S', 'example_connector_block_keys', 'safetensors_digest', 'stale_tmp_seconds',
-           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'mm_keyed_token_ids', 'ExampleConnector']
+           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'mm_keyed_token_ids', 'connector_salt', 'ExampleConnector']
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #1acc6013
 def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: int) -> list[str]:
@@ -125,6 +125,18 @@ def mm_keyed_token_ids(request: Any) -> list[int]:
             keyed[k] = int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
     return keyed
 
+
+def connector_salt(request: Any) -> str | None:
+    """The request's `cache_salt`, with its LoRA adapter's name appended when it has one: an adapter changes
+    the KV of every layer it targets, so KV stored for the base model (or another adapter) must not be found
+    for it. None for a request with neither.
+    Source: vLLM v0.15 v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys` (the prefix cache's rule)."""
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return salt
+    return f"{salt or ''}|lora:{lora.lora_name}"
+
 # %% ../../../../../nbs/47c_example_connector.ipynb #6bed6323
 @dataclass
 class _ExampleReqState:
@@ -176,7 +188,7 @@ class ExampleConnector(KVConnectorBase_V1):
         return self._storage / f"{key}{shard}.safetensors"
 
     def _keys(self, request: Any) -> list[str]:
-        salt = getattr(request, "cache_salt", None) or ""
+        salt = connector_salt(request) or ""
         root = hashlib.sha256(f"minivllm-example|{self._model_tag}|{salt}".encode()).digest()
         return example_connector_block_keys(root, mm_keyed_token_ids(request), self._block_size)
 

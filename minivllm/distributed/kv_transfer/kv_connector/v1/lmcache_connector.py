@@ -26,7 +26,10 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.base import (
     track_request_block_ids,
     update_connector_abstractmethods,
 )
-from .example_connector import mm_keyed_token_ids
+from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    connector_salt,
+    mm_keyed_token_ids,
+)
 from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
     LMCacheLookupClient,
     LMCacheLookupServer,
@@ -107,7 +110,7 @@ class LMCacheConnectorV1Scheduler:
         self.num_hit_tokens = 0
 
     def _chunks(self, request: Any) -> list[tuple[int, int, str]]:
-        return self.token_db.chunk_hashes(mm_keyed_token_ids(request), getattr(request, "cache_salt", None))
+        return self.token_db.chunk_hashes(mm_keyed_token_ids(request), connector_salt(request))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         limit = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
