@@ -601,11 +601,18 @@ def make_cpu_gemm_linear(weight: torch.Tensor):
     n, K = weight.shape
     dtype = weight.dtype
     fn = _gemm_fn(lib, dtype)
+    return _packed_closure(fn, cpu_gemm, packed, dtype, K, n)
+
+
+def _packed_closure(fn, checked_call, packed: torch.Tensor, dtype: torch.dtype, K: int, n: int):
+    """`linear(x, bias=None)` launching C driver `fn` on `packed` when the call fits (`_call_fits`), else
+    `checked_call(x, packed, n, bias)` (the fully checked function, which raises the full error);
+    `linear.packed` is `packed`."""
     packed_ptr = packed.data_ptr()
 
     def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _call_fits(x, bias, dtype, K, n):
-            return cpu_gemm(x, packed, n, bias)  # raises the full error
+            return checked_call(x, packed, n, bias)
         return _launch(fn, x, K, packed_ptr, n, bias)
 
     linear.packed = packed
@@ -648,20 +655,10 @@ def cpu_gemm_bf16_dp_available() -> bool:
     return lib is not None and hasattr(lib, "gemm_bf16_dp") and "avx512_bf16" in cpu_flags()
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #022c6de1
-def cpu_gemm_bf16_dp(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    n: int,
-    bias: torch.Tensor | None = None,
-    num_threads: int | None = None,
-) -> torch.Tensor:
-    """x @ W.T + bias with W given as `pack_weight_bf16_dp(W)`: x (..., K) bfloat16 -> (..., n) bfloat16,
-    products by `vdpbf16ps` into float32, rounded once after the bias. packed: contiguous (ceil(n/16),
-    ceil(K/2), 16, 2) bfloat16; bias: (n,) bfloat16 or None. Raises `RuntimeError` where the kernel is not
-    available (`cpu_gemm_bf16_dp_available`), `ValueError` for a mismatch (the field named), `MemoryError`
-    if the padded copy of x (odd K) cannot be allocated. Source: minivllm's own."""
-    if not cpu_gemm_bf16_dp_available():
-        raise RuntimeError("cpu_gemm_bf16_dp: needs AVX512-BF16 (cpu_flags() and the built library)")
+def _check_pairs_call(name: str, x: torch.Tensor, packed: torch.Tensor, n: int, bias) -> None:
+    """The checks of a call on weights packed by pairs (`pack_weight_bf16_dp`): `ValueError` naming `name` and
+    the field for x or packed not bfloat16, not on the CPU, packed not the contiguous (ceil(n/16), ceil(K/2),
+    16, 2), or a bias that is not (n,) bfloat16 contiguous."""
     K = x.shape[-1]
     shape = (-(-n // 16), -(-K // 2), 16, 2)
     problem = None
@@ -676,8 +673,25 @@ def cpu_gemm_bf16_dp(
     ):
         problem = f"bias must be ({n},) bfloat16 contiguous; got {tuple(bias.shape)} {bias.dtype}"
     if problem is not None:
-        raise ValueError(f"cpu_gemm_bf16_dp: {problem}; got x {tuple(x.shape)}, packed {tuple(packed.shape)}")
-    return _launch(load_cpu_gemm_lib().gemm_bf16_dp, x, K, packed.data_ptr(), n, bias, num_threads)
+        raise ValueError(f"{name}: {problem}; got x {tuple(x.shape)}, packed {tuple(packed.shape)}")
+
+
+def cpu_gemm_bf16_dp(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """x @ W.T + bias with W given as `pack_weight_bf16_dp(W)`: x (..., K) bfloat16 -> (..., n) bfloat16,
+    products by `vdpbf16ps` into float32, rounded once after the bias. packed: contiguous (ceil(n/16),
+    ceil(K/2), 16, 2) bfloat16; bias: (n,) bfloat16 or None. Raises `RuntimeError` where the kernel is not
+    available (`cpu_gemm_bf16_dp_available`), `ValueError` for a mismatch (the field named), `MemoryError`
+    if the padded copy of x (odd K) cannot be allocated. Source: minivllm's own."""
+    if not cpu_gemm_bf16_dp_available():
+        raise RuntimeError("cpu_gemm_bf16_dp: needs AVX512-BF16 (cpu_flags() and the built library)")
+    _check_pairs_call("cpu_gemm_bf16_dp", x, packed, n, bias)
+    return _launch(load_cpu_gemm_lib().gemm_bf16_dp, x, x.shape[-1], packed.data_ptr(), n, bias, num_threads)
 
 
 def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor, packed: torch.Tensor | None = None):
@@ -690,15 +704,7 @@ def make_cpu_gemm_bf16_dp_linear(weight: torch.Tensor, packed: torch.Tensor | No
     packed = pack_weight_bf16_dp(weight) if packed is None else packed
     n, K = weight.shape
     fn = load_cpu_gemm_lib().gemm_bf16_dp
-    packed_ptr = packed.data_ptr()
-
-    def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not _call_fits(x, bias, torch.bfloat16, K, n):
-            return cpu_gemm_bf16_dp(x, packed, n, bias)  # raises the full error
-        return _launch(fn, x, K, packed_ptr, n, bias)
-
-    linear.packed = packed
-    return linear
+    return _packed_closure(fn, cpu_gemm_bf16_dp, packed, torch.bfloat16, K, n)
 
 # %% ../nbs/kernels/04_cpu_gemm.ipynb #5011def3
 def cpu_gemm_bf16_amx_available(k: int | None = None) -> bool:
@@ -725,24 +731,9 @@ def cpu_gemm_bf16_amx(
     K = x.shape[-1]
     if not cpu_gemm_bf16_amx_available():
         raise RuntimeError("cpu_gemm_bf16_amx: needs AMX-TILE and AMX-BF16 (cpu_flags(), the library, Linux)")
-    shape = (-(-n // 16), K // 2, 16, 2)
-    problem = None
     if K % 32:
-        problem = f"x width K={K} must be a multiple of 32"
-    elif x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
-        problem = f"x and packed must be bfloat16; got {x.dtype} and {packed.dtype}"
-    elif x.device.type != "cpu" or packed.device.type != "cpu":
-        problem = f"x and packed must be on the CPU; got {x.device} and {packed.device}"
-    elif tuple(packed.shape) != shape or not packed.is_contiguous():
-        problem = f"packed must be contiguous {shape} for n={n}, x width K={K}"
-    elif bias is not None and (
-        bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
-    ):
-        problem = f"bias must be ({n},) bfloat16 contiguous; got {tuple(bias.shape)} {bias.dtype}"
-    if problem is not None:
-        raise ValueError(
-            f"cpu_gemm_bf16_amx: {problem}; got x {tuple(x.shape)}, packed {tuple(packed.shape)}"
-        )
+        raise ValueError(f"cpu_gemm_bf16_amx: x width K={K} must be a multiple of 32; got x {tuple(x.shape)}")
+    _check_pairs_call("cpu_gemm_bf16_amx", x, packed, n, bias)
     return _launch(load_cpu_gemm_lib().gemm_bf16_amx, x, K, packed.data_ptr(), n, bias, num_threads)
 
 
@@ -758,12 +749,4 @@ def make_cpu_gemm_bf16_amx_linear(weight: torch.Tensor, packed: torch.Tensor | N
         )
     packed = pack_weight_bf16_dp(weight) if packed is None else packed
     fn = load_cpu_gemm_lib().gemm_bf16_amx
-    packed_ptr = packed.data_ptr()
-
-    def linear(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not _call_fits(x, bias, torch.bfloat16, K, n):
-            return cpu_gemm_bf16_amx(x, packed, n, bias)  # raises the full error
-        return _launch(fn, x, K, packed_ptr, n, bias)
-
-    linear.packed = packed
-    return linear
+    return _packed_closure(fn, cpu_gemm_bf16_amx, packed, torch.bfloat16, K, n)
