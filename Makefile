@@ -29,7 +29,7 @@ demo: install
 # sys.modules for a later kernel notebook in the same worker. The kernel checks use CPU tensors anyway.
 test: install
 	TRITON_INTERPRET=1 $(BIN)/nbdev_test --n_workers 2 --do_print --timing
-	# The Triton kernels' notebooks (a second nbdev package: nbs/kernels/settings.ini -> kernels/).
+	# The Triton kernels' notebooks (a second nbdev package: nbs/kernels/settings.ini -> minivllm_kernels/).
 	cd nbs/kernels && TRITON_INTERPRET=1 ../../$(BIN)/nbdev_test --n_workers 2 --do_print --timing
 	$(BIN)/python -m pytest -q tests -m "not slow"
 
@@ -49,7 +49,7 @@ export: install
 # ruff (config in pyproject.toml): the notebooks are the source, checked and format-checked; the exported
 # packages are checked too (for what the notebook check cannot see, e.g. an import only a test cell uses).
 lint: install
-	$(BIN)/ruff check nbs minivllm kernels
+	$(BIN)/ruff check nbs minivllm minivllm_kernels
 	$(BIN)/ruff format --check nbs
 
 clean-nbs: install

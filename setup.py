@@ -18,7 +18,7 @@ extras = {
             "redis",  # LMCacheConnectorV1's remote tier (tests/test_lmcache_connector.py)
             "ruff==0.17.6",  # `make lint` (pyproject.toml [tool.ruff])
             "xgrammar", "jsonschema",  # structured outputs and their tests
-            # Triton kernels (kernels/): tested on the CPU under TRITON_INTERPRET=1; not needed at runtime there
+            # Triton kernels (minivllm_kernels/): tested on the CPU under TRITON_INTERPRET=1; not needed at runtime there
             "triton==3.6.0; platform_system == 'Linux'",
             # the docs site (`make docs`, tools/docs/) and its headless-browser test
             "sphinx==9.0.4", "myst-nb==1.4.0", "furo==2025.12.19", "websocket-client==1.9.2",
@@ -44,7 +44,7 @@ setuptools.setup(
     license="Apache-2.0",
     author=cfg["author"],
     python_requires=">=" + cfg["min_python"],
-    packages=setuptools.find_packages(include=["minivllm", "minivllm.*", "kernels", "kernels.*"]),
+    packages=setuptools.find_packages(include=["minivllm", "minivllm.*", "minivllm_kernels", "minivllm_kernels.*"]),
     include_package_data=True,
     install_requires=requirements + ["gguf"],
     extras_require=extras,

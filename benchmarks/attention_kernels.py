@@ -7,8 +7,8 @@ block tables shuffled over the pool. Three steps:
 - prefill: `--num-prompts` prompts of `--prompt-len` tokens, no cached context;
 - mixed: half the decode batch plus two prompt chunks of `--prompt-len // 2` after 1024 cached tokens.
 
-For each: the step's kernel (on CUDA the Triton `kernels.unified_attention`, one launch for the whole step;
-on the CPU the C kernel `kernels.cpu_attention.unified_attention_cpu`, one call, timed twice side by side:
+For each: the step's kernel (on CUDA the Triton `minivllm_kernels.unified_attention`, one launch for the whole step;
+on the CPU the C kernel `minivllm_kernels.cpu_attention.unified_attention_cpu`, one call, timed twice side by side:
 on the path `cpu_attention_path` picks with every CPU flag, and on the path it picks with `--old-flags`
 (default `avx512f`) hidden through `MINIVLLM_CPU_FLAGS`: the paths before the AVX-512 ones, "old"), the
 torch reference backend's
@@ -28,7 +28,7 @@ warm-up), next to the copy bandwidth measured here (a 1 GiB `copy_`, read + writ
     python benchmarks/attention_kernels.py --device cpu --heads 9 3 64 --batch 32 --ctx-min 104 \
         --ctx-max 111 --num-prompts 1 --prompt-len 256 --iters 200   # SmolLM2-135M's attention, 32 decodes
 (The file is not called kernels.py: a script's folder comes first on sys.path, and a benchmarks/kernels.py
-would shadow the repository's `kernels` package for every script in this folder.)
+would shadow Hugging Face's `kernels` package, which transformers imports, for every script in this folder.)
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def sdpa_dense(query_lens, seq_lens, q, dtype, device):
 @contextlib.contextmanager
 def flags_hidden(hidden: set[str]):
     "MINIVLLM_CPU_FLAGS showing every flag of this CPU but `hidden`, within the block (read at each call)."
-    from kernels.cpu_build import cpu_flags
+    from minivllm_kernels.cpu_build import cpu_flags
     before = os.environ.get("MINIVLLM_CPU_FLAGS")
     os.environ["MINIVLLM_CPU_FLAGS"] = " ".join(sorted(cpu_flags() - hidden))
     try:
@@ -137,11 +137,11 @@ def attention_bytes(query_lens, seq_lens, elem):
 
 def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
     if device == "cuda":
-        from kernels.reshape_and_cache import reshape_and_cache
-        from kernels.unified_attention import unified_attention
+        from minivllm_kernels.reshape_and_cache import reshape_and_cache
+        from minivllm_kernels.unified_attention import unified_attention
         kernel_label, cache_label = "triton unified_attention", "triton reshape_and_cache"
     else:  # Triton would only run interpreted here: time the C kernel; the cache write is the reference's
-        from kernels.cpu_attention import unified_attention_cpu as unified_attention
+        from minivllm_kernels.cpu_attention import unified_attention_cpu as unified_attention
         reshape_and_cache, kernel_label, cache_label = None, "cpu unified_attention_cpu", None
     cm, kv, q, k, v = make_step(query_lens, seq_lens, device, dtype)
     T, elem = cm.num_actual_tokens, kv.element_size()
@@ -161,7 +161,7 @@ def run_step(name, query_lens, seq_lens, args, device, dtype, peak):
           f"{nbytes / 1e6:.1f} MB minimum traffic")
     hidden = {}  # label -> the CPU flags hidden while it is timed
     if device == "cpu":  # the same call, on the path chosen with the newer paths' flags hidden: side by side
-        from kernels.cpu_attention import cpu_attention_path
+        from minivllm_kernels.cpu_attention import cpu_attention_path
         with flags_hidden(set(args.old_flags)):
             old_path = cpu_attention_path(dtype, D)
         kernel = rows.pop(kernel_label)
@@ -208,7 +208,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
-        from kernels.cpu_attention import cpu_attention_available
+        from minivllm_kernels.cpu_attention import cpu_attention_available
         if not cpu_attention_available():
             sys.exit("the CPU attention kernel cannot be built here (no C compiler?): nothing to compare")
     rng = random.Random(0)
@@ -218,7 +218,7 @@ def main() -> None:
     print(f"{name}  dtype={args.dtype}  heads {HQ}/{HKV}, size {D}", end="  ")
     print(f"copy bandwidth {peak / 1e9:.0f} GB/s (read + write)")
     if device == "cpu":
-        from kernels.cpu_build import cpu_flags
+        from minivllm_kernels.cpu_build import cpu_flags
         isa = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
         print(f"CPU flags: {isa}; load average {os.getloadavg()}")
     dec_ctx = [rng.randint(args.ctx_min, args.ctx_max) for _ in range(args.batch)]

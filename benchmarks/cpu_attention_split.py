@@ -1,6 +1,6 @@
 """The CPU attention kernel alone, before and after a change (issue 31 item 3: the split, AVX-512 paths).
 
-"before" is `kernels/cpu_attention.py` as of git revision `--baseline` (default 689e33c: the kernel before
+"before" is `minivllm_kernels/cpu_attention.py` as of git revision `--baseline` (default 689e33c: the kernel before
 the AVX-512 paths, with the AVX512-BF16 dot products per token and the AVX2 float32 path), built here under
 its own name; "after" is the working tree's kernel, once with every CPU flag and once with `avx512_bf16`
 hidden from its path choice (on an AVX-512 CPU: the AVX-512 path with K and V widened to float32).
@@ -37,22 +37,22 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-import kernels.cpu_attention as after  # noqa: E402
-from kernels.cpu_build import cpu_flags  # noqa: E402
+import minivllm_kernels.cpu_attention as after  # noqa: E402
+from minivllm_kernels.cpu_build import cpu_flags  # noqa: E402
 from minivllm.testing import make_common_attn_metadata  # noqa: E402
 
 
 def baseline_module(rev: str) -> types.ModuleType:
-    "kernels/cpu_attention.py at `rev`, imported as its own module (its library gets its own cache file)."
+    "minivllm_kernels/cpu_attention.py at `rev`, imported as its own module (its library gets its own cache file)."
     text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu_attention.py"],
+        ["git", "-C", str(ROOT), "show", f"{rev}:minivllm_kernels/cpu_attention.py"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    mod = types.ModuleType("kernels._cpu_attention_baseline")
-    mod.__package__ = "kernels"
-    exec(compile(text, f"{rev}:kernels/cpu_attention.py", "exec"), mod.__dict__)
+    mod = types.ModuleType("minivllm_kernels._cpu_attention_baseline")
+    mod.__package__ = "minivllm_kernels"
+    exec(compile(text, f"{rev}:minivllm_kernels/cpu_attention.py", "exec"), mod.__dict__)
     return mod
 
 

@@ -1,7 +1,7 @@
 """The linears of one SmolLM2-135M forward (121 matmuls: 30 layers x qkv, o, gate_up, down, plus the LM head)
-at decode and prefill row counts, through F.linear, oneDNN's prepacked matmul and kernels.cpu_gemm, side by
+at decode and prefill row counts, through F.linear, oneDNN's prepacked matmul and minivllm_kernels.cpu_gemm, side by
 side: milliseconds per forward, weight GB/s and GFLOP/s, and the ratio to oneDNN. It is the measurement behind
-`kernels.cpu_gemm.use_cpu_gemm`'s default; run it on a new CPU to check that policy.
+`minivllm_kernels.cpu_gemm.use_cpu_gemm`'s default; run it on a new CPU to check that policy.
 
     python benchmarks/cpu_gemm.py [--rows 1 2 4 8 32 128 512] [--dtype float32 bfloat16] [--threads 2]
 """
@@ -16,8 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.cpu_build import cpu_flags  # noqa: E402
-from kernels.cpu_gemm import cpu_gemm, load_cpu_gemm_lib, pack_weight, use_cpu_gemm  # noqa: E402
+from minivllm_kernels.cpu_build import cpu_flags  # noqa: E402
+from minivllm_kernels.cpu_gemm import cpu_gemm, load_cpu_gemm_lib, pack_weight, use_cpu_gemm  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # (N, K) of SmolLM2-135M
 

@@ -72,7 +72,7 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     a = ap.parse_args()
     if a.threads: torch.set_num_threads(a.threads)
-    from kernels.cpu_ops import cpu_ops_available
+    from minivllm_kernels.cpu_ops import cpu_ops_available
     if not cpu_ops_available(): raise SystemExit("the fused CPU ops cannot be built here (no C compiler?)")
     # per step: layer 0 input norm without residual; 2 residual norms per layer after it, minus 1, plus the final norm
     per_step = {"rms_norm": 1, "fused_add_rms_norm": 2 * a.layers, "silu_and_mul": a.layers, "rotary_embedding": a.layers}

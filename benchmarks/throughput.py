@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run from a checkout without installing: the repository root (minivllm/, kernels/) comes first.
+# Run from a checkout without installing: the repository root (minivllm/, minivllm_kernels/) comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

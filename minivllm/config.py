@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from fastcore.basics import patch
 
-from kernels.cpu_build import cpu_flags
 from minivllm.compilation_config import (
     CompilationConfig,
 )  # re-exported: vLLM has them in vllm.config
+from minivllm_kernels.cpu_build import cpu_flags
 
 # %% auto #0
 __all__ = ['DTYPE_CHOICES', 'logger', 'MAX_BLOCK_SIZE', 'MULTIMODAL_ARCHITECTURES', 'MM_PREFIX_LM_ARCHITECTURES',
@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively: the avx512_bf16 or amx_bf16 flag in
-    `kernels.cpu_build.cpu_flags()` (so `MINIVLLM_CPU_FLAGS` can hide it)."""
+    `minivllm_kernels.cpu_build.cpu_flags()` (so `MINIVLLM_CPU_FLAGS` can hide it)."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 

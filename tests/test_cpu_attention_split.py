@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_attention import (
+from minivllm_kernels.cpu_attention import (
     cpu_attention_available,
     cpu_attention_path,
     load_cpu_attention_lib,
     unified_attention_cpu,
 )
-from kernels.cpu_build import cpu_flags
+from minivllm_kernels.cpu_build import cpu_flags
 from minivllm.testing import make_common_attn_metadata
 from minivllm.v1.attention.backends.torch_ref import TorchRefAttentionBackend, reshape_and_cache
 from minivllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -230,7 +230,7 @@ def test_hidden_flag_builds_without_the_bf16_functions(tmp_path):
     )
     code = (
         "import torch\n"
-        "from kernels.cpu_attention import load_cpu_attention_lib as L, cpu_attention_path as P\n"
+        "from minivllm_kernels.cpu_attention import load_cpu_attention_lib as L, cpu_attention_path as P\n"
         f"print(hasattr(L(), {BF16_DP!r}), hasattr(L(), {NEW_BF16_DP!r}), P(torch.bfloat16, 128))"
     )
     res = subprocess.run(

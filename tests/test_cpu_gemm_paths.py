@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from kernels.cpu_attention import cpu_attention_available
-from kernels.cpu_build import cpu_flags
-from kernels.cpu_gemm import load_cpu_gemm_lib
+from minivllm_kernels.cpu_attention import cpu_attention_available
+from minivllm_kernels.cpu_build import cpu_flags
+from minivllm_kernels.cpu_gemm import load_cpu_gemm_lib
 from minivllm.compilation_config import CUDAGraphMode
 from minivllm.config import cpu_has_native_bf16, resolve_auto_dtype_for_cpu
 from minivllm.entrypoints.llm import LLM
@@ -204,7 +204,7 @@ def test_kernel_per_row_bucket_graphs_equal_eager_and_transformers(tiny, monkeyp
 # AVX512-BF16 hidden the same table cannot be packed and falls back to F.linear (never an instruction the
 # CPU view lacks).
 def test_bf16_pairs_kernel_graphs_equal_eager(tiny, monkeypatch):
-    from kernels.cpu_gemm import cpu_gemm_bf16_dp_available
+    from minivllm_kernels.cpu_gemm import cpu_gemm_bf16_dp_available
     from minivllm.model_executor.layers import linear
     if not cpu_gemm_bf16_dp_available():
         pytest.skip("the bfloat16 pairs kernel needs AVX512-BF16 (avx512_bf16), which this CPU lacks")
@@ -233,7 +233,7 @@ def test_bf16_pairs_kernel_graphs_equal_eager(tiny, monkeypatch):
 # every bucket, then mixed with the pairs kernel (both read one packed copy per layer): graphs == eager, and
 # with AMX hidden the same table falls back to a kernel the view allows.
 def test_bf16_amx_kernel_graphs_equal_eager(tiny, monkeypatch):
-    from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available
+    from minivllm_kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available
     from minivllm.model_executor.layers import linear
     if not cpu_gemm_bf16_amx_available():
         pytest.skip("the AMX kernel needs amx_tile and amx_bf16 (Sapphire Rapids or later), which this CPU lacks")
@@ -265,7 +265,7 @@ def test_bf16_amx_kernel_graphs_equal_eager(tiny, monkeypatch):
 
 def test_amx_kernel_shares_the_pairs_packing():
     "Both bfloat16 kernels that read weights by pairs get one packed copy, and the same product."
-    from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available
+    from minivllm_kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available
     from minivllm.model_executor.layers.utils import cpu_gemm_candidates
     if not (cpu_gemm_bf16_amx_available() and cpu_gemm_bf16_dp_available()):
         pytest.skip("needs AMX (amx_tile, amx_bf16) and AVX512-BF16, which this CPU lacks")
@@ -284,7 +284,7 @@ def test_avx512_tiles_and_avx2_tiles_give_the_same_tokens(dtype, tiny, monkeypat
     them and avx512f is in view; hiding avx512f runs the AVX2 tiles over the same panels. With graphs, both
     give the same tokens (the tiles' sums are bit-identical, checked per shape in the chapter), and in
     float32 those of transformers."""
-    from kernels.cpu_gemm import _gemm_fn
+    from minivllm_kernels.cpu_gemm import _gemm_fn
 
     lib = load_cpu_gemm_lib()
     if lib is None or not hasattr(lib, "gemm_f32_avx512") or "avx512f" not in cpu_flags():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from kernels.cpu_attention import cpu_attention_available
+from minivllm_kernels.cpu_attention import cpu_attention_available
 from minivllm.compilation.cpu_graph import CPUGraph
 from minivllm.compilation_config import CUDAGraphMode
 from minivllm.entrypoints.llm import LLM
@@ -188,7 +188,7 @@ def test_cpu_graph_records_onednn_linear_on_opaque_weights():
 # Any exception while capturing, not only the recorder's own refusal, must leave start-up working: one warning
 # naming the cause, no graphs, no recorder left active on this thread, the same tokens as eager.
 def test_capture_failure_falls_back_to_eager(tmp_path_factory, monkeypatch, caplog):
-    from kernels import cpu_build
+    from minivllm_kernels import cpu_build
     from minivllm.compilation import cpu_graph
 
     monkeypatch.delenv("MINIVLLM_CUDAGRAPH_MODE", raising=False)

@@ -13,11 +13,11 @@ import subprocess
 
 import pytest
 
-from kernels import cpu_build
-from kernels.cpu_attention import CPU_ATTENTION_SRC
-from kernels.cpu_build import CFLAGS, build_cpu_library, cpu_flags, find_c_compiler, kernel_cache_dir
-from kernels.cpu_gemm import CPU_GEMM_SRC
-from kernels.cpu_ops import CPU_OPS_CFLAGS, CPU_OPS_SRC
+from minivllm_kernels import cpu_build
+from minivllm_kernels.cpu_attention import CPU_ATTENTION_SRC
+from minivllm_kernels.cpu_build import CFLAGS, build_cpu_library, cpu_flags, find_c_compiler, kernel_cache_dir
+from minivllm_kernels.cpu_gemm import CPU_GEMM_SRC
+from minivllm_kernels.cpu_ops import CPU_OPS_CFLAGS, CPU_OPS_SRC
 
 
 
@@ -74,7 +74,7 @@ def test_flag_names_are_case_insensitive_and_a_list_of_no_flags_is_an_error(monk
 
 _ARGMAX_CHECK = """
 import torch
-from kernels.cpu_ops import argmax_rows
+from minivllm_kernels.cpu_ops import argmax_rows
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for rows, n in ((1, 1), (3, 9), (2, 15), (4, 16), (5, 33), (3, 1000), (8, 49152)):

@@ -93,10 +93,10 @@ def test_the_repo_chapters():
         "core",
     )
     # the kernels package's notebooks (nbs/kernels/) are chapters too: own page names, module under
-    # `kernels.`, in the kernels section after the numbered layer and attention chapters
+    # `minivllm_kernels.`, in the kernels section after the numbered layer and attention chapters
     kern = [c for c in chapters if c.stem.startswith("kernels_")]
     assert {"kernels_00_reshape_and_cache", "kernels_01_unified_attention"} <= {c.stem for c in kern}
-    assert all(c.section == "kernels" and c.module.startswith("kernels.") and c.number is None for c in kern)
+    assert all(c.section == "kernels" and c.module.startswith("minivllm_kernels.") and c.number is None for c in kern)
     sec = [c.stem for c in chapters if c.section == "kernels"]
     assert sec.index("kernels_00_reshape_and_cache") > sec.index("33_torch_attention_backend")
 

@@ -63,7 +63,7 @@ SETTINGS = {
     "chunked_prefill": dict(max_num_batched_tokens=16),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "long_prefill_threshold": dict(long_prefill_token_threshold=8, max_num_seqs=3),
-    # the default runs the fused CPU kernels of RMSNorm / SiluAndMul / RoPE (kernels.cpu_ops); this is the torch code
+    # the default runs the fused CPU kernels of RMSNorm / SiluAndMul / RoPE (minivllm_kernels.cpu_ops); this is the torch code
     "no_custom_ops": dict(compilation_config={"custom_ops": ["none"]}),
 }
 

@@ -1,4 +1,4 @@
-"""The Triton LoRA kernels (kernels/lora_ops.py, issue 32) against the PyTorch reference of chapter 30h.
+"""The Triton LoRA kernels (minivllm_kernels/lora_ops.py, issue 32) against the PyTorch reference of chapter 30h.
 
 On the CPU they run in Triton's interpreter (TRITON_INTERPRET=1, set here before anything imports them), so
 shapes stay tiny: random mixed batches (adapter tokens of several slots, base-model tokens, ranks below the
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.lora_ops import bgmv_expand, bgmv_shrink  # noqa: E402
+from minivllm_kernels.lora_ops import bgmv_expand, bgmv_shrink  # noqa: E402
 from minivllm.lora.punica_wrapper.punica_cpu import LoRAMapping, PunicaWrapperCPU  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,8 +17,8 @@ import torch
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
-from kernels.unified_attention import unified_attention  # noqa: E402
+from minivllm_kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
+from minivllm_kernels.unified_attention import unified_attention  # noqa: E402
 from minivllm.entrypoints.llm import LLM  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.testing import make_common_attn_metadata, make_tiny_checkpoint  # noqa: E402

@@ -27,8 +27,8 @@ def compile_all() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels.reshape_and_cache import _reshape_and_cache_kernel
-    from kernels.unified_attention import _unified_attention_kernel
+    from minivllm_kernels.reshape_and_cache import _reshape_and_cache_kernel
+    from minivllm_kernels.unified_attention import _unified_attention_kernel
 
     def compile_for_hopper(fn, types, consts):
         names = fn.arg_names

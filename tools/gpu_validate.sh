@@ -69,7 +69,7 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_kv_connector_pd.py -
 # greedy tokens with ngram and draft-model drafts equal to transformers' (float32)
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_spec_decode.py tests/test_spec_decode_sampler.py \
   -k "ngram_greedy or own_draft or draft_model_greedy or distribution" -rs 2>&1 | tee "$LOG/tests_spec_decode.txt" || rc=1
-# multi-LoRA (issue 32): the Triton shrink/expand kernels (kernels/lora_ops.py) in fp32/fp16/bf16 against the
+# multi-LoRA (issue 32): the Triton shrink/expand kernels (minivllm_kernels/lora_ops.py) in fp32/fp16/bf16 against the
 # torch reference on the device, and a tiny Llama with three adapters and the base model in one batch on CUDA
 # (the Triton kernels, the CUDA default) giving the torch reference kernel's greedy tokens
 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_lora_triton.py -rs 2>&1 | tee "$LOG/tests_lora.txt" || rc=1

@@ -31,7 +31,7 @@ def _triton_available() -> bool:
 
 
 def _cpu_kernel_available() -> bool:
-    from kernels.cpu_attention import cpu_attention_available
+    from minivllm_kernels.cpu_attention import cpu_attention_available
 
     return cpu_attention_available()
 

@@ -14,7 +14,7 @@ import torch
 from fastcore.basics import patch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.cpu_build import record_launches
+from minivllm_kernels.cpu_build import record_launches
 
 # %% auto #0
 __all__ = ['CPUGraphCaptureError', 'CPUGraphPool', 'CPUGraph', 'cpu_graph_pool']

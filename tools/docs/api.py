@@ -144,7 +144,7 @@ def api_markdown(
     sub_packages: dict[str, Path] | None = None,
 ) -> str:
     """The MyST source of the API page for the package at `lib_path` (and each `sub_packages` name -> folder,
-    e.g. `{"kernels": repo/"kernels"}`), modules in chapter order."""
+    e.g. `{"minivllm_kernels": repo/"minivllm_kernels"}`), modules in chapter order."""
     by_module = {c.module: c for c in chapters if c.module}
     # a module's key is its chapter's `module`: relative to lib_name for the main package, prefixed for others
     roots = [(Path(lib_path), "")] + [(Path(d), f"{name}.") for name, d in (sub_packages or {}).items()]

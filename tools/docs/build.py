@@ -184,7 +184,7 @@ def stage_site(
     readme_path = repo / "README.md"
     readme = readme_path.read_text(encoding="utf-8") if readme_path.exists() else "# minivllm\n"
     (src / "index.md").write_text(index_markdown(readme, chapters, seeds_dir is not None), encoding="utf-8")
-    subs = {name: repo / name for name in SUB_PACKAGES if (repo / name).is_dir()}
+    subs = {pkg: repo / pkg for pkg in SUB_PACKAGES.values() if (repo / pkg).is_dir()}
     api = api_markdown(repo / "minivllm", chapters, sub_packages=subs)
     (src / "api.md").write_text(api, encoding="utf-8")
     seed_notes = seed_notes_markdown(seed_chapters, cited, seeds_dir)

@@ -40,7 +40,7 @@ MODULE_RULES: list[tuple[str, str]] = [
     (r"connector|kv_transfer|ec_transfer", "connectors"),
     (r"multimodal|encoder_cache|vision|siglip|_mm\b", "multimodal"),
     (r"^entrypoints\.(openai|cli|api_server|serve)", "server"),
-    (r"^(attention|v1\.attention|kernels|model_executor\.layers)(\.|$)", "kernels"),
+    (r"^(attention|v1\.attention|minivllm_kernels|model_executor\.layers)(\.|$)", "kernels"),
     (r"^v1\.core(\.|$)", "core"),
     (r"^(v1\.engine|entrypoints|engine|v1\.metrics|transformers_utils)(\.|$)", "engine"),
     (r"^(v1\.worker|v1\.executor|v1\.sample|model_executor|worker|executor)(\.|$)", "worker"),
@@ -60,7 +60,8 @@ NUMBER_FALLBACK: list[tuple[int, int, str]] = [
     (90, 99, "appendix"),
 ]
 
-SUB_PACKAGES = ["kernels"]  # folders of nbs/ that are nbdev packages of their own (nbs/kernels -> kernels/)
+# folders of nbs/ that are nbdev packages of their own -> their package (lib_name): nbs/kernels -> minivllm_kernels/
+SUB_PACKAGES = {"kernels": "minivllm_kernels"}
 
 # The one spelling the notebooks use for a diagram: Quarto's (see "Which fence" in tools/docs/README.md).
 DIAGRAM_FENCE = "```{mermaid}"
@@ -127,11 +128,11 @@ def cell_directives(source: str) -> tuple[dict[str, str], str]:
     return dirs, "\n".join(lines[i:]).strip("\n")
 
 
-def read_chapter(path: Path, package: str | None = None) -> Chapter:
+def read_chapter(path: Path, package: str | None = None, folder: str | None = None) -> Chapter:
     """Read a notebook's number, title (its first `# ` heading), `default_exp` module and section.
 
-    `package`: set for a notebook of a second nbdev package (`kernels`, exported from `nbs/kernels/`). Its
-    page is `<package>_<stem>`, its module `<package>.<default_exp>`, and it has no chapter number (its own
+    `package`: set for a notebook of a second nbdev package (`minivllm_kernels`, exported from the folder
+    `nbs/kernels/`, `folder`). Its page is `<folder>_<stem>`, its module `<package>.<default_exp>`, and it has no chapter number (its own
     numbering restarts at 00), so it sorts after the numbered chapters of its section. Raises
     json.JSONDecodeError for a notebook that is not valid JSON."""
     path = Path(path)
@@ -150,7 +151,7 @@ def read_chapter(path: Path, package: str | None = None) -> Chapter:
     title = title or path.stem
     if package:
         module = f"{package}.{module}" if module else package
-    stem = f"{package}_{path.stem}" if package else path.stem
+    stem = f"{folder or package}_{path.stem}" if package else path.stem
     return Chapter(path, stem, number, suffix, title, module, section_for(number, module), "\n\n".join(md))
 
 
@@ -168,13 +169,13 @@ def discover_chapters(nbs_path: Path) -> list[Chapter]:
     `_`-prefixed), in reading order. A notebook that is not valid JSON (say, half-written by an editor) is
     left out with a note on stderr."""
     chapters = []
-    found = [(p, None) for p in Path(nbs_path).glob("*.ipynb")]
-    found += [(p, pkg) for pkg in SUB_PACKAGES for p in (Path(nbs_path) / pkg).glob("*.ipynb")]
-    for p, pkg in found:
+    found = [(p, None, None) for p in Path(nbs_path).glob("*.ipynb")]
+    found += [(p, pkg, d) for d, pkg in SUB_PACKAGES.items() for p in (Path(nbs_path) / d).glob("*.ipynb")]
+    for p, pkg, folder in found:
         if p.stem == "index" or p.name.startswith(("_", ".")):
             continue
         try:
-            chapters.append(read_chapter(p, pkg))
+            chapters.append(read_chapter(p, pkg, folder))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             print(f"docs: skipping {p.name}: {e}", file=sys.stderr)
     return sorted(chapters, key=lambda c: c.sort_key)

@@ -331,11 +331,11 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def configure_logging(verbose: bool) -> None:
-    """`--verbose`: INFO and above of the `minivllm` and `kernels` loggers on stderr as `LEVEL time [logger]
+    """`--verbose`: INFO+ of the `minivllm` and `minivllm_kernels` loggers on stderr as `LEVEL time [logger]
     message` (one handler each, added once however often `main` runs); otherwise ERROR and above. Without a
     handler, Python prints only WARNING and above (its last-resort handler), so INFO needs this one.
     Source: vLLM v0.15 logger.py `_configure_vllm_root_logger` (role)."""
-    for name in ("minivllm", "kernels"):
+    for name in ("minivllm", "minivllm_kernels"):
         log = logging.getLogger(name)
         log.setLevel(logging.INFO if verbose else logging.ERROR)
         if verbose and not any(isinstance(h, _StderrHandler) for h in log.handlers):

@@ -33,7 +33,7 @@ class LoRAMapping:
 # %% ../../../nbs/30h_punica_wrapper.ipynb #12b74cc2
 def _lora_kernel(device: torch.device) -> str:
     """`MINIVLLM_LORA_KERNEL`: 'cpu' (grouped matmuls), 'torch' (the index_select/bmm reference) or 'triton'
-    (kernels/lora_ops.py, per-token BGMV). Default: 'triton' on CUDA when Triton is installed, else 'cpu'."""
+    (minivllm_kernels/lora_ops.py, per-token BGMV). Default: 'triton' on CUDA with Triton, else 'cpu'."""
     default = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "cpu"
     kind = os.environ.get("MINIVLLM_LORA_KERNEL", default)
     if kind not in ("cpu", "torch", "triton"):
@@ -256,8 +256,8 @@ def _add_group(
 def _add_lora_linear_triton(
     self: PunicaWrapperCPU, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices
 ) -> None:
-    "`add_lora_linear` through the Triton BGMV kernels (kernels/lora_ops.py): per slice, shrink then expand."
-    from kernels.lora_ops import bgmv_expand, bgmv_shrink
+    "`add_lora_linear` via Triton BGMV kernels (minivllm_kernels/lora_ops.py): per slice, shrink then expand."
+    from minivllm_kernels.lora_ops import bgmv_expand, bgmv_shrink
 
     slots = self.token_lora_indices
     offset = 0

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
 from ..custom_op import CustomOp
+from minivllm_kernels import cpu_ops
 
 # %% auto #0
 __all__ = ['SiluAndMul']

@@ -26,8 +26,6 @@ __all__ = ['dispatch_cpu_unquantized_gemm', 'unquantized_gemm', 'default_weight_
 # %% ../../../nbs/30b_linear.ipynb #2491baaf
 import os
 
-from kernels.cpu_build import cpu_flags
-from kernels.cpu_gemm import use_cpu_gemm
 from minivllm.model_executor.layers.utils import (
     CPU_GEMM_BUCKET_ROWS,
     cpu_gemm_candidates,
@@ -35,6 +33,8 @@ from minivllm.model_executor.layers.utils import (
     m_bucket,
     select_cpu_gemm_kinds,
 )
+from minivllm_kernels.cpu_build import cpu_flags
+from minivllm_kernels.cpu_gemm import use_cpu_gemm
 
 _ONEDNN_BF16_FLAGS = frozenset({"avx512bw", "avx512vl", "avx512dq"})  # oneDNN's avx512_core
 
@@ -67,7 +67,7 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None
 
     Which kernel: with `MINIVLLM_CPU_GEMM=auto` (default) the one measured fastest for this shape in each row
     bucket (`select_cpu_gemm_kinds`, chapter 30d; the call's rows pick the bucket), starting from the flag
-    policy (`kernels.cpu_gemm` panels where `use_cpu_gemm(dtype)` says so, else oneDNN's blocked format);
+    policy (`minivllm_kernels.cpu_gemm` panels if `use_cpu_gemm(dtype)` agrees, else oneDNN's blocked format);
     with `MINIVLLM_CPU_GEMM_TUNING=0`, or `MINIVLLM_CPU_GEMM=0|1`, the policy's one kernel.
     layer.weight: (N, K) on the CPU. The packed matmul takes x: (..., K) in the weight's dtype and returns
     (..., N); its `weight` argument is ignored. Sets `layer.cpu_linear = None` (plain `F.linear`) where that

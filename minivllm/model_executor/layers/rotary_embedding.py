@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from fastcore.basics import patch
 
-from kernels import cpu_ops
 from ..custom_op import CustomOp, current_platform_type
+from minivllm_kernels import cpu_ops
 
 # %% auto #0
 __all__ = ['RotaryEmbedding', 'Llama3RotaryEmbedding', 'LinearScalingRotaryEmbedding', 'get_rope']

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import _cpu_model, cpu_flags, find_c_compiler, kernel_cache_dir
+from minivllm_kernels.cpu_build import _cpu_model, cpu_flags, find_c_compiler, kernel_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str,
     pairs kernel's packed copy), "onednn" (oneDNN's packed weight), "F.linear" (always).
     x: (..., K) in the weight's dtype -> (..., N). Source: minivllm's own (the kernels vLLM v0.15
     `dispatch_cpu_unquantized_gemm` picks between)."""
-    from kernels.cpu_gemm import (
+    from minivllm.model_executor.layers.linear import _onednn_pack  # (linear imports this module)
+    from minivllm_kernels.cpu_gemm import (
         cpu_gemm_bf16_amx_available,
         cpu_gemm_bf16_dp_available,
         load_cpu_gemm_lib,
@@ -66,7 +67,6 @@ def cpu_gemm_candidates(weight: torch.Tensor, kinds=CPU_GEMM_KINDS) -> dict[str,
         make_cpu_gemm_bf16_dp_linear,
         make_cpu_gemm_linear,
     )
-    from minivllm.model_executor.layers.linear import _onednn_pack  # (linear imports this module)
 
     out: dict[str, Callable] = {}
     if "cpu_gemm" in kinds and weight.dtype in (torch.float32, torch.bfloat16):
@@ -155,13 +155,17 @@ def pick_kinds(times: dict[str, list[float]], default: str) -> tuple[str, ...]:
 def cpu_gemm_kind_available(kind: str, weight: torch.Tensor) -> bool:
     """True when this process can run GEMM `kind` on CPU weight (N, K): "F.linear" always; "cpu_gemm" for a
     float32 / bfloat16 weight with AVX2 + FMA in view and the C library built; "cpu_gemm_bf16_dp" for a
-    bfloat16 weight where `kernels.cpu_gemm.cpu_gemm_bf16_dp_available()`; "cpu_gemm_bf16_amx" for a
+    bfloat16 weight where `minivllm_kernels.cpu_gemm.cpu_gemm_bf16_dp_available()`; "cpu_gemm_bf16_amx" for a
     bfloat16 weight where `cpu_gemm_bf16_amx_available(K)` (AMX in view, K a multiple of 32); "onednn"
     where chapter 30b's `_onednn_pack` would pack it (oneDNN present, `MINIVLLM_CPU_ONEDNN_GEMM` not 0,
     float32, or bfloat16 with oneDNN's bfloat16 flags). Packs nothing. Raises nothing for an unknown kind
     (False)."""
-    from kernels.cpu_gemm import cpu_gemm_bf16_amx_available, cpu_gemm_bf16_dp_available, load_cpu_gemm_lib
     from minivllm.model_executor.layers.linear import _onednn_bf16_supported
+    from minivllm_kernels.cpu_gemm import (
+        cpu_gemm_bf16_amx_available,
+        cpu_gemm_bf16_dp_available,
+        load_cpu_gemm_lib,
+    )
 
     if kind == "F.linear":
         return True
@@ -201,7 +205,7 @@ def cpu_gemm_cache_path():
     version, `MINIVLLM_CPU_ONEDNN_GEMM`, whether a C compiler is present, the timing method (cold caches),
     the kinds timed and the C kernels' source: `<kernel_cache_dir()>/../gemm/choices-<hash>.json`
     (`MINIVLLM_CACHE_DIR` moves it)."""
-    from kernels.cpu_gemm import CPU_GEMM_SRC
+    from minivllm_kernels.cpu_gemm import CPU_GEMM_SRC
 
     key = "\0".join(
         [

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kernels.cpu_build import cpu_flags
-from kernels.cpu_ops import argmax_rows, can_use_cpu_ops
 from ..outputs import LogprobsTensors, SamplerOutput
 from .metadata import _SAMPLING_EPS, SamplingMetadata
+from minivllm_kernels.cpu_build import cpu_flags
+from minivllm_kernels.cpu_ops import argmax_rows, can_use_cpu_ops
 
 # %% auto #0
 __all__ = ['apply_penalties', 'apply_logit_bias', 'apply_min_tokens', 'apply_min_p', 'apply_top_k_top_p', 'greedy_sample',
@@ -120,10 +120,10 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value: (n, vocab) float32 / bfloat16 / float16 -> (n,) int64, the first
     on ties, a NaN's where a row has one (as `argmax`). On a CPU with AVX2 in view (`cpu_flags()`), by the C
-    kernel `kernels.cpu_ops.argmax_rows` (one read of each row in its own dtype, AVX-512 or AVX2 lanes);
-    elsewhere by `max(dim=-1).indices`, which gives the same index faster than torch's CPU `argmax` (32 x
-    49152 float32 on 2 threads: 0.08 ms in C from bfloat16, 0.62 ms by `max` after a 0.2-0.5 ms widening,
-    1.48 ms by `argmax`).
+    kernel `minivllm_kernels.cpu_ops.argmax_rows` (one read of each row in its own dtype, AVX-512 or AVX2
+    lanes); elsewhere by `max(dim=-1).indices`, which gives the same index faster than torch's CPU `argmax`
+    (32 x 49152 float32 on 2 threads: 0.08 ms in C from bfloat16, 0.62 ms by `max` after a 0.2-0.5 ms
+    widening, 1.48 ms by `argmax`).
     Source: vLLM v0.15 v1/sample/sampler.py `greedy_sample`."""
     rows_ok = logits.dim() == 2 and logits.shape[1] > 0 and (logits.shape[0] <= 1 or logits.stride(1) == 1)
     if rows_ok and "avx2" in cpu_flags() and can_use_cpu_ops(logits):

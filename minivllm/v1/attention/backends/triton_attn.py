@@ -14,8 +14,6 @@ import torch
 if not torch.cuda.is_available():  # Triton can only run interpreted here; must be set before kernels import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.reshape_and_cache import reshape_and_cache
-from kernels.unified_attention import unified_attention
 from minivllm.v1.attention.backends.torch_ref import (
     KernelAttentionImpl,
     TorchRefAttentionImpl,
@@ -24,6 +22,8 @@ from minivllm.v1.attention.backends.torch_ref import (
 )
 from .utils import CommonAttentionMetadata
 from ...kv_cache_interface import AttentionSpec
+from minivllm_kernels.reshape_and_cache import reshape_and_cache
+from minivllm_kernels.unified_attention import unified_attention
 
 # %% auto #0
 __all__ = ['TritonAttentionMetadata', 'TritonAttentionMetadataBuilder', 'TritonAttentionImpl', 'TritonAttentionBackend']
@@ -135,7 +135,7 @@ class TritonAttentionImpl(KernelAttentionImpl):
 
 # %% ../../../../nbs/33a_triton_attention_backend.ipynb #92d9eb20
 class TritonAttentionBackend:
-    """Paged attention with the Triton kernels of `kernels/` (minivllm's CUDA backend).
+    """Paged attention with the Triton kernels of `minivllm_kernels/` (minivllm's CUDA backend).
     Source: vLLM v0.15 v1/attention/backends/triton_attn.py `TritonAttentionBackend`."""
 
     accept_output_buffer: bool = True

@@ -778,9 +778,9 @@ _AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
 def load_cpu_attention_lib() -> ctypes.CDLL | None:
     """Compile (first time) and load the CPU paged-attention library; None if it cannot be built here.
 
-    Built by `kernels.cpu_build.build_cpu_library("cpu_attention", CPU_ATTENTION_SRC, CFLAGS)` (cached under
-    `$MINIVLLM_CACHE_DIR/kernels`, default `~/.cache/minivllm`). Returns None, with one log line saying why,
-    when `MINIVLLM_CPU_ATTENTION=0`, no compiler is found, or compilation fails.
+    Built by `minivllm_kernels.cpu_build.build_cpu_library("cpu_attention", CPU_ATTENTION_SRC, CFLAGS)`
+    (cached under `$MINIVLLM_CACHE_DIR/kernels`, default `~/.cache/minivllm`). Returns None, with one log line
+    saying why, when `MINIVLLM_CPU_ATTENTION=0`, no compiler is found, or compilation fails.
     Source: the role of vLLM's csrc/cpu/attention.cpp (built at install time there)."""
     if os.environ.get("MINIVLLM_CPU_ATTENTION", "1") == "0":
         return None
@@ -806,8 +806,8 @@ def cpu_attention_available() -> bool:
 # %% ../nbs/kernels/02_cpu_attention.ipynb #3a323af6
 def cpu_attention_path(dtype: torch.dtype, head_size: int) -> str:
     """Name of the C function `unified_attention_cpu` runs for `dtype` and `head_size`, from the library's
-    symbols and `kernels.cpu_build.cpu_flags()` (`MINIVLLM_CPU_FLAGS`, read at each call, can hide a path):
-    with `avx512f`, `avx512bw`, `avx512vl` and a head size that is a multiple of 16, the AVX-512 paths
+    symbols and `minivllm_kernels.cpu_build.cpu_flags()` (`MINIVLLM_CPU_FLAGS`, read at each call, can hide a
+    path): with `avx512f`, `avx512bw`, `avx512vl` and a head size that is a multiple of 16, the AVX-512 paths
     (a work item per KV head): `paged_attention_avx512_f32`, `paged_attention_avx512_bf16_dp` (also
     `avx512_bf16`) or `paged_attention_avx512_bf16`; else `paged_attention_f32_vec` (float32, head size
     64, built with AVX2 + FMA), `paged_attention_bf16_dp` (bfloat16 with `avx512_bf16`); else the generic
@@ -871,7 +871,7 @@ def unified_attention_cpu(
     for signature parity and unused.
     Raises `RuntimeError` if the kernel is unavailable (see `cpu_attention_available`), `ValueError` for a
     device, dtype, layout or head-count mismatch. Source: vLLM v0.15 v1/attention/backends/cpu_attn.py (role);
-    design of kernels.unified_attention."""
+    design of minivllm_kernels.unified_attention."""
     lib = load_cpu_attention_lib()
     if lib is None:
         raise RuntimeError(

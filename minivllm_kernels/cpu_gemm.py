@@ -450,8 +450,8 @@ def _gemm_fn(lib: ctypes.CDLL, dtype: torch.dtype):
 def use_cpu_gemm(dtype: torch.dtype) -> bool:
     """Whether a CPU linear with weights of `dtype` should be packed for `cpu_gemm` (see the policy above):
     env `MINIVLLM_CPU_GEMM` = `0` (never), `1` (always, float32 / bfloat16), `auto` (default); never where
-    `kernels.cpu_build.cpu_flags()` (with its `MINIVLLM_CPU_FLAGS` override) lacks AVX2 or FMA. Raises
-    `ValueError` for another value of it. Source: vLLM v0.15 model_executor/layers/utils.py
+    `minivllm_kernels.cpu_build.cpu_flags()` (with its `MINIVLLM_CPU_FLAGS` override) lacks AVX2 or FMA.
+    Raises `ValueError` for another value of it. Source: vLLM v0.15 model_executor/layers/utils.py
     `dispatch_cpu_unquantized_gemm` (role: the per-dtype, per-CPU choice)."""
     mode = os.environ.get("MINIVLLM_CPU_GEMM", "auto")
     if mode not in ("0", "1", "auto"):
