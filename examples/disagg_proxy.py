@@ -68,7 +68,32 @@ def passthrough(r: httpx.Response) -> Response:
     return Response(r.content, status_code=r.status_code, media_type="application/json")
 
 
-def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
+def _is_seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _seconds(text: str) -> float:
+    "argparse type of a timeout flag: a positive, finite number of seconds."
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not _is_seconds(value):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds; got {text!r}")
+    return value
+
+
+def build_app(
+    prefill_url: str, decode_url: str, timeout_s: float = 600.0, health_timeout_s: float = 5.0
+) -> FastAPI:
+    """The proxy's app. `timeout_s`: the longest wait (seconds) for each backend operation: connecting, and
+    each read while a prefill or a decode runs (a long prompt on a CPU may take minutes); past it the client
+    gets a 502. `health_timeout_s`: `/health`'s wait for each backend, short, so that a backend that accepts
+    connections and never answers (a stopped process: `kill -STOP`) shows as unhealthy at once. Raises
+    ValueError for a timeout that is not a positive number."""
+    for name, value in (("timeout_s", timeout_s), ("health_timeout_s", health_timeout_s)):
+        if not _is_seconds(value):
+            raise ValueError(f"{name} must be a positive, finite number of seconds; got {value!r}")
     app = FastAPI()
     client = httpx.AsyncClient(timeout=timeout_s)
 
@@ -171,7 +196,8 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
     @app.get("/health")
     async def health():
         try:
-            codes = [(await client.get(u + "/health")).status_code for u in (prefill_url, decode_url)]
+            codes = [(await client.get(u + "/health", timeout=health_timeout_s)).status_code
+                     for u in (prefill_url, decode_url)]  # fmt: skip
             ok = all(c == 200 for c in codes)
         except httpx.HTTPError:  # a backend is down or still starting
             ok = False
@@ -186,8 +212,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--prefill", required=True, help="base URL of the kv_producer server")
     ap.add_argument("--decode", required=True, help="base URL of the kv_consumer server")
+    ap.add_argument("--timeout", type=_seconds, default=600.0,
+                    help="seconds to wait for a backend (to connect, and for each read while it computes); "
+                         "past it the client gets a 502 (default 600)")  # fmt: skip
+    ap.add_argument(
+        "--health-timeout", type=_seconds, default=5.0, help="seconds /health waits for each backend"
+    )
     args = ap.parse_args()
-    uvicorn.run(build_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host, port=args.port)
+    app = build_app(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout, args.health_timeout)
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -185,3 +185,36 @@ def test_stream_broken_midway_ends_with_an_error_event(servers):
     error = json.loads(events[-2])["error"]
     assert error["code"] == 502 and "mid-stream" in error["message"]
     assert events[-1] == "[DONE]"
+
+
+def test_a_stopped_backend_is_a_502_after_the_timeout_and_unhealthy_at_once():
+    """A backend stopped with `kill -STOP`: the kernel completes the TCP handshake (its listen backlog), nobody
+    reads or answers. The proxy waited 600 s (its fixed httpx timeout) for each request and for `/health`;
+    `--timeout` bounds a request, and `/health` waits `--health-timeout` (5 s) whatever `--timeout` is."""
+    import subprocess
+    import sys
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # never accept()ed: a stopped process
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        with TestClient(disagg_proxy.build_app(url, url, timeout_s=1.0, health_timeout_s=0.5)) as client:
+            t0 = time.monotonic()
+            error = _assert_openai_error(client.post("/v1/completions", json=BODY), 502)
+            assert "ReadTimeout" in error["message"] and time.monotonic() - t0 < 10
+        with TestClient(disagg_proxy.build_app(url, url, health_timeout_s=0.5)) as client:  # timeout_s 600
+            t0 = time.monotonic()
+            assert client.get("/health").status_code == 503
+            assert time.monotonic() - t0 < 10
+    finally:
+        silent.close()
+    for bad in (0, -1.0, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match="timeout_s must be a positive, finite number of seconds"):
+            disagg_proxy.build_app(url, url, timeout_s=bad)
+    script = str(REPO / "examples" / "disagg_proxy.py")
+    for flag in ("--timeout", "--health-timeout"):
+        r = subprocess.run([sys.executable, script, "--prefill", url, "--decode", url, flag, "0"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and f"argument {flag}: must be a positive, finite number of seconds" in r.stderr
