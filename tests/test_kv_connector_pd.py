@@ -52,9 +52,9 @@ def _count_scheduled(llm) -> list:
 def _prefill(prod, prompt):
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
                         extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-    out = prod.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-    prod.llm_engine.step()  # the producer's next step registers the request's blocks with its server
-    return out
+    # no step of our own after it: generate() hands the held blocks to the producer's server before it returns
+    # (the pull was answered RETRY until the consumer's timeout, then recomputed, when the test had to step)
+    return prod.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
 
 
 def _decode(cons, prompt, params):

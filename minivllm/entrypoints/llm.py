@@ -15,6 +15,7 @@ from ..engine.arg_utils import EngineArgs
 from ..multimodal.utils import extract_chat_images
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
+from ..v1.engine.core_client import InprocClient
 from ..v1.engine.llm_engine import LLMEngine
 
 # %% auto #0
@@ -179,7 +180,20 @@ def _run_engine(self: LLM, use_tqdm: bool = True) -> list[RequestOutput]:
     finally:
         if pbar is not None:
             pbar.close()
+    self._hand_over_held_blocks()
     return sorted(outputs, key=lambda o: int(o.request_id))
+
+# %% ../../nbs/29c_llm.ipynb #0bdcbe85
+@patch
+def _hand_over_held_blocks(self: LLM) -> None:
+    """With an in-process engine core whose scheduler holds blocks for a connector's send, run one step (no
+    tokens) so that the connector's worker learns of them before `generate` returns. Source: minivllm's own
+    (vLLM's offline P/D examples run the engine core in its own process)."""
+    client = self.llm_engine.engine_core
+    if not isinstance(client, InprocClient):
+        return
+    if client.engine_core.scheduler.delayed_free_req_ids:
+        self.llm_engine.step()
 
 # %% ../../nbs/29c_llm.ipynb #2c79fd69
 @patch
