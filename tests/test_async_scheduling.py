@@ -73,27 +73,31 @@ def test_step_n_plus_1_is_scheduled_before_step_n_is_processed(ckpt):
 
 
 def test_structured_output_under_async_scheduling(ckpt, monkeypatch):
-    # Sampled tokens are compared across two engines: both must multiply with the same GEMM kernels. With
-    # tuning on, the first processes on a fresh cache each re-measure (chapter 30d) and may pick another
-    # kernel per row bucket, whose float32 rounding can flip a sampled near-tie ('42-000' vs '42-005').
-    # The flag policy alone was not enough (it flipped once more, on a loaded machine): oneDNN's kernels
-    # round by the batch's row count, which the two schedulers need not share step by step. The C GEMM sums
-    # each output element alone, in one order, whatever the rows around it (kernels chapter 04).
+    # Sampled tokens are compared across two engines, so both must compute the same logits bit for bit.
+    # The decoder's linears use the C GEMM (one summation order per output element, whatever the rows around
+    # it: kernels chapter 04; tuning off, or a fresh measurement could pick another kernel per row bucket).
+    # The LM head is torch's matmul, whose float32 rounding depends on the batch's row count; the two
+    # schedulers need not run the same rows step by step (async schedules a finishing request once more),
+    # and a flipped near-tie once gave '42-000' against '42-005'. So the comparison runs one request at a
+    # time (max_num_seqs=1: every forward has the same rows in both modes), and the concurrent run checks
+    # that the grammar held for every request while its previous token was still in flight.
     monkeypatch.setenv("MINIVLLM_CPU_GEMM_TUNING", "0")
     monkeypatch.setenv("MINIVLLM_CPU_GEMM", "1")
     so = StructuredOutputsParams(regex=r"[0-9]{2}-[0-9]{3}")
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, structured_outputs=so)
+    prompts = [f"p{i}" for i in range(4)]
     outs = {}
-    for mode in (False, True):
-        llm = LLM(ckpt, dtype="float32", max_model_len=128, async_scheduling=mode)
+    for mode, max_num_seqs in ((False, 1), (True, 1), (True, 256)):
+        llm = LLM(ckpt, dtype="float32", max_model_len=128, async_scheduling=mode, max_num_seqs=max_num_seqs)
         try:
-            outs[mode] = [o.outputs[0].text for o in llm.generate([f"p{i}" for i in range(4)], params, use_tqdm=False)]
+            outs[mode, max_num_seqs] = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
             llm.llm_engine.shutdown()
     import re
 
-    assert all(re.fullmatch(r"[0-9]{2}-[0-9]{3}", t) for t in outs[True]), outs[True]
-    assert outs[True] == outs[False]
+    for key, texts in outs.items():
+        assert all(re.fullmatch(r"[0-9]{2}-[0-9]{3}", t) for t in texts), (key, texts)
+    assert outs[True, 1] == outs[False, 1]
 
 
 def test_abort_during_a_step_drops_its_output(ckpt):

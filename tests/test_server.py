@@ -79,8 +79,17 @@ class Server:
         "Wait (polling) until the engine has no request left; the deadline only keeps a broken test from hanging."
         deadline = time.monotonic() + timeout
         while engine_has_requests(self.engine) or self.llm.get_num_unfinished_requests():
-            assert time.monotonic() < deadline, "engine did not become idle"
+            assert time.monotonic() < deadline, f"engine did not become idle: {self.engine_state()}"
             time.sleep(0.01)
+
+    def engine_state(self) -> str:
+        "What the engine still holds (for a failed wait): the scheduler's queues and held blocks, the front end's."
+        s = getattr(getattr(self.engine, "engine_core", None), "scheduler", None)
+        if s is None:
+            return f"{self.llm.get_num_unfinished_requests()} unfinished in the front end"
+        return (f"waiting {[r.request_id for r in s.waiting]}, running {[r.request_id for r in s.running]}, "
+                f"finished {sorted(s.finished_req_ids)}, delayed free {sorted(s.delayed_free_req_ids)}, "
+                f"front end {self.llm.get_num_unfinished_requests()} unfinished")  # fmt: skip
 
     def stop(self):
         self.thread.stop()
