@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
@@ -145,11 +146,17 @@ class AsyncInprocClient(InprocClient):
         return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
 
     def _step(self) -> EngineCoreOutputs | None:
-        "One engine step (on the engine thread); None when the engine core holds no work."
+        """One engine step (on the engine thread); None when the engine core holds no work. A step that ran
+        no model while requests remain (each waits for remote KV, or only held blocks are left) sleeps 1 ms,
+        as `EngineCoreProc._process_engine_step` does: a P/D producer holding blocks for a pull would
+        otherwise spin on empty steps, taking a core and the GIL from the server and the transfer threads."""
         core = self.engine_core
         if not core.scheduler.has_requests() and not core.batch_queue:
             return None
-        return self.get_output()
+        outputs, model_executed = core.step_fn()
+        if not model_executed and not core.batch_queue and core.scheduler.has_requests():
+            time.sleep(0.001)
+        return (outputs and outputs.get(0)) or EngineCoreOutputs()
 
     async def get_output_async(self) -> EngineCoreOutputs:
         while True:
