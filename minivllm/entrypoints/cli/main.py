@@ -347,7 +347,9 @@ def configure_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `minivllm` console script. Invalid input prints `error: ...` and exits with 2.
+    """Entry point of the `minivllm` console script. Invalid input prints `error: ...` and exits with 2;
+    Ctrl-C (while loading or generating) prints `interrupted` and exits with 130, the shell's code for SIGINT,
+    without a traceback (the engine-core process is stopped as at any exit).
     Source: vLLM v0.15 entrypoints/cli/main.py `main`."""
     parser, cmds = make_parser()
     args = parser.parse_args(argv)
@@ -362,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
