@@ -14,12 +14,14 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
 from test_kv_connector_pd import _count_scheduled  # the same counter (tests/ is on sys.path)
 
 from minivllm import LLM, SamplingParams
+from minivllm.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector import prompt_digest
 from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
 from minivllm.testing import make_tiny_checkpoint
 from minivllm.v1.executor.multiproc_executor import get_open_port
@@ -151,7 +153,8 @@ def test_producer_refuses_repeated_block_ids(ckpt):
         sock.connect(f"tcp://127.0.0.1:{port}")
 
         def read(block_ids):
-            msg = {"req_id": params["remote_request_id"], "tag": "t", "block_ids": block_ids}
+            msg = {"req_id": params["remote_request_id"], "tag": "t", "block_ids": block_ids,
+                   "digest": prompt_digest(SimpleNamespace(prompt_token_ids=PROMPT, num_prompt_tokens=len(PROMPT)))}  # fmt: skip
             sock.send_multipart([b"READ", json.dumps(msg).encode()])
             assert sock.poll(10_000), "the producer did not answer"
             return sock.recv_multipart()

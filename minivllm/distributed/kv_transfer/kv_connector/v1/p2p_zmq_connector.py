@@ -27,20 +27,22 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from ....parallel_state import get_tensor_model_parallel_rank
+from .....v1.core.kv_cache_utils import generate_block_hash_extra_keys, sha256_cbor
 from .....v1.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'RecvReqMeta', 'P2pZmqConnectorMetadata', 'P2pZmqConnectorScheduler', 'P2pZmqConnectorWorker',
-           'P2pZmqConnector']
+__all__ = ['logger', 'RecvReqMeta', 'P2pZmqConnectorMetadata', 'prompt_digest', 'P2pZmqConnectorScheduler',
+           'P2pZmqConnectorWorker', 'P2pZmqConnector']
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #f2fbdef3
 @dataclass
 class RecvReqMeta:
     """One pull: `local_block_ids[i]` receives the producer's `remote_block_ids[i]`. `remote_tp_size` is the
     producer's tensor-parallel size when it differs from ours (0: the same): then nothing is read, and the
-    producer ranks this rank stands for hear `DONE`."""
+    producer ranks this rank stands for hear `DONE`. `digest` names the prompt this request wants KV for
+    (`prompt_digest`): the producer serves only a request whose prompt is the one it computed."""
 
     local_block_ids: list[int]
     remote_block_ids: list[int]
@@ -49,6 +51,7 @@ class RecvReqMeta:
     remote_host: str
     remote_port: int
     remote_tp_size: int = 0
+    digest: str = ""
 
 
 @dataclass
@@ -57,7 +60,7 @@ class P2pZmqConnectorMetadata(KVConnectorMetadata):
     Source: vLLM v0.15 nixl_connector.py `NixlConnectorMetadata` (role)."""
 
     reqs_to_recv: dict[str, RecvReqMeta] = field(default_factory=dict)
-    reqs_to_send: dict[str, tuple[list[int], float]] = field(default_factory=dict)
+    reqs_to_send: dict[str, tuple[list[int], float, str]] = field(default_factory=dict)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2914bad3
 _MAX_REMOTE_TP_SIZE = 64  # producer ranks one consumer rank may tell DONE (3 ZeroMQ sockets each)
@@ -84,6 +87,15 @@ def _valid_remote_params(params: dict) -> bool:
         and port + tp_size <= 65536
     )
 
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #0f10b687
+def prompt_digest(request: Any) -> str:
+    """Hex sha256 (CBOR) of what a request's prompt KV is computed from: its prompt token ids and the extra
+    keys of `generate_block_hash_extra_keys` over the whole prompt (LoRA name, multimodal identifiers,
+    cache salt, prompt-embedding hash). Equal on producer and consumer exactly when both hold the same
+    prompt. Source: minivllm's own (vLLM's NIXL connector trusts the proxy's pairing)."""
+    keys, _ = generate_block_hash_extra_keys(request, 0, request.num_prompt_tokens, 0)
+    return sha256_cbor((tuple(request.prompt_token_ids), keys)).hex()
+
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #c03e2c57
 class P2pZmqConnectorScheduler:
     """Scheduler-side half of `P2pZmqConnector` (see the facade below for the config keys)."""
@@ -97,7 +109,7 @@ class P2pZmqConnectorScheduler:
         self.abort_timeout_s = float(kvt.get_from_extra_config("abort_timeout_s", 120.0))
         self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         self._reqs_to_recv: dict[str, RecvReqMeta] = {}
-        self._reqs_to_send: dict[str, tuple[list[int], float]] = {}
+        self._reqs_to_send: dict[str, tuple[list[int], float, str]] = {}
         self._recving: set[str] = set()  # pulls handed to the worker and not finished yet
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -150,6 +162,7 @@ class P2pZmqConnectorScheduler:
             params.get("remote_host", "127.0.0.1"),
             int(params.get("remote_port", 0)),
             remote_tp_size,
+            prompt_digest(request),
         )
         params["do_remote_prefill"] = False
 
@@ -182,7 +195,8 @@ def request_finished(
         return False, None
     if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
         return False, None
-    self._reqs_to_send[request.request_id] = (list(block_ids), time.time() + self.abort_timeout_s)
+    deadline = time.time() + self.abort_timeout_s
+    self._reqs_to_send[request.request_id] = (list(block_ids), deadline, prompt_digest(request))
     return True, {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -236,7 +250,7 @@ class P2pZmqConnectorWorker:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._stats: dict[str, int] = {}  # failed pulls, refused answers, expired sends: since the last read
         self._lock = threading.Lock()
-        self._to_send: dict[str, tuple[list[int], float]] = {}
+        self._to_send: dict[str, tuple[list[int], float, str]] = {}
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._invalid: set[int] = set()
@@ -318,7 +332,7 @@ def get_finished(self: P2pZmqConnectorWorker) -> tuple[set[str] | None, set[str]
     "Finished sends (DONE or expired) and pulls; the pulls' invalid blocks are reported with them."
     now = time.time()
     with self._lock:
-        for rid in [r for r, (_, deadline) in self._to_send.items() if deadline < now]:
+        for rid in [r for r, (_, deadline, _) in self._to_send.items() if deadline < now]:
             logger.warning("P2pZmqConnector: request %s was never pulled; freeing its blocks", rid)
             del self._to_send[rid]
             self._finished_sending.add(rid)
@@ -400,6 +414,12 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
     rid, tag = msg.get("req_id"), msg.get("tag")
     with self._lock:
         entry = self._to_send.get(rid) if isinstance(rid, str) else None
+        if entry is not None and msg.get("digest") != entry[2]:  # another prompt's request: serve it nothing
+            self._stats["p2p_prompt_mismatches"] = self._stats.get("p2p_prompt_mismatches", 0) + 1
+            if kind == b"DONE":
+                return _reply(b"ACK", tag)  # and keep the blocks for the request they were computed for
+            error = f"request {rid} holds the KV of another prompt than the one this pull is for"
+            return _reply(b"ERROR", tag, error=error)
         if kind == b"DONE":
             if entry is not None:
                 del self._to_send[rid]
@@ -547,7 +567,9 @@ def _release_ranks(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) 
 
 @patch
 def _send(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull, kind: bytes, **fields: Any) -> None:
-    msg = {"req_id": pull.recv.remote_request_id, "tag": pull.req_id, "engine_id": pull.recv.remote_engine_id}
+    recv = pull.recv
+    msg = {"req_id": recv.remote_request_id, "tag": pull.req_id, "engine_id": recv.remote_engine_id,
+           "digest": recv.digest}  # fmt: skip
     msg.update(fields)
     try:
         peer.sock.send_multipart([kind, json.dumps(msg).encode()], zmq.NOBLOCK)
