@@ -1,0 +1,67 @@
+"""An eighth try-to-break pass on the KV connectors (issue 30), by a fresh helper.
+
+1. A client chooses the `kv_transfer_params` it sends a P2P consumer. Given one prompt's parameters with
+   another prompt of the same length, the consumer pulled the first prompt's KV into blocks that it then
+   cached under the second prompt's hashes: every later request with that prompt, from any client and with
+   no `kv_transfer_params` at all, decoded from the wrong KV. Each pull now names its prompt
+   (`prompt_digest`) and the producer refuses a pull for another prompt than the one it computed: the
+   consumer recomputes, nothing wrong is cached, and the producer's blocks stay held for their request.
+"""
+
+import socket
+import time
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+A = list(range(10, 30))  # 20 tokens: five blocks of 4
+B = list(range(200, 220))  # the same length, other tokens
+KW = dict(dtype="float32", max_model_len=64, block_size=4, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=True)
+
+
+@pytest.fixture(autouse=True)
+def in_process_engine(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _greedy(llm, prompt, params=None, n=8):
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params else None)  # fmt: skip
+    return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+
+
+def test_another_prompts_params_do_not_poison_the_consumers_prefix_cache(tmp_path):
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    ref = LLM(path, **KW)
+    try:
+        want_a, want_b = (list(_greedy(ref, p).outputs[0].token_ids) for p in (A, B))
+    finally:
+        ref.llm_engine.shutdown()
+    prod = LLM(path, **KW, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer",
+                                               "kv_port": _free_port()})  # fmt: skip
+    cons = LLM(path, **KW, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                                               "kv_connector_extra_config": {"transfer_timeout_s": 10}})  # fmt: skip
+    try:
+        pool = prod.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        params = _greedy(prod, A, {"do_remote_decode": True}, n=1).kv_transfer_params
+        assert list(_greedy(cons, B, params).outputs[0].token_ids) == want_b  # refused, so recomputed
+        assert list(_greedy(cons, B).outputs[0].token_ids) == want_b  # was: A's KV from the prefix cache
+        assert pool.get_num_free_blocks() < free  # the producer still holds A's blocks for A's request
+        assert list(_greedy(cons, A, params).outputs[0].token_ids) == want_a  # which pulls them
+        deadline = time.monotonic() + 10
+        while pool.get_num_free_blocks() < free and time.monotonic() < deadline:
+            prod.llm_engine.step()  # the consumer's DONE reaches the producer's scheduler
+        assert pool.get_num_free_blocks() == free
+    finally:
+        prod.llm_engine.shutdown()
+        cons.llm_engine.shutdown()
