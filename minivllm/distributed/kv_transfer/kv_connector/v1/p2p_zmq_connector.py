@@ -87,6 +87,24 @@ def _valid_remote_params(params: dict) -> bool:
         and port + tp_size <= 65536
     )
 
+
+_MAX_TIMEOUT_S = 86400.0  # a day: a deadline must come
+
+
+def _seconds_from_config(kvt: Any, key: str, default: float) -> float:
+    """`kv_connector_extra_config[key]` as seconds in (0, 86400]. Raises ValueError naming the key for all
+    else: a NaN deadline never passes (held blocks never freed), an infinite one never ends a pull."""
+    raw = kvt.get_from_extra_config(key, default)
+    try:
+        value = float(raw) if not isinstance(raw, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 < value <= _MAX_TIMEOUT_S:  # also refuses NaN and inf
+        raise ValueError(
+            f"kv_connector_extra_config.{key} must be in (0, {_MAX_TIMEOUT_S:g}] seconds; got {raw!r}"
+        )
+    return value
+
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #0f10b687
 def prompt_digest(request: Any) -> str:
     """Hex sha256 (CBOR) of what a request's prompt KV is computed from: its prompt token ids and the extra
@@ -106,7 +124,7 @@ class P2pZmqConnectorScheduler:
         self.engine_id = engine_id
         self.host, self.port = kvt.kv_ip, kvt.kv_port
         self.is_producer = kvt.is_kv_producer  # only a producer (or kv_both) runs the KV server
-        self.abort_timeout_s = float(kvt.get_from_extra_config("abort_timeout_s", 120.0))
+        self.abort_timeout_s = _seconds_from_config(kvt, "abort_timeout_s", 120.0)
         self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         self._reqs_to_recv: dict[str, RecvReqMeta] = {}
         self._reqs_to_send: dict[str, tuple[list[int], float, str]] = {}
@@ -244,7 +262,7 @@ class P2pZmqConnectorWorker:
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         self.host, self.port = kvt.kv_ip, kvt.kv_port + self.tp_rank
-        self.transfer_timeout_s = float(kvt.get_from_extra_config("transfer_timeout_s", 30.0))
+        self.transfer_timeout_s = _seconds_from_config(kvt, "transfer_timeout_s", 30.0)
         self.max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         self.max_frame_bytes = _MAX_HEADER_BYTES  # what a peer may send, set by register_kv_caches
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -718,6 +736,11 @@ class P2pZmqConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        for key, default in (
+            ("abort_timeout_s", 120.0),
+            ("transfer_timeout_s", 30.0),
+        ):  # both, in either role
+            _seconds_from_config(self._kv_transfer_config, key, default)
         engine_id = self._kv_transfer_config.engine_id
         self.connector_scheduler = None
         self.connector_worker = None
