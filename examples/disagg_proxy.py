@@ -83,6 +83,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+# fields of the client's request that the one-token prefill must not carry (it would refuse or stop early)
+_DECODE_ONLY_FIELDS = (
+    "stream_options",
+    "best_of",
+    "max_completion_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+)
+
+
 def build_app(
     prefill_url: str, decode_url: str, timeout_s: float = 600.0, health_timeout_s: float = 5.0
 ) -> FastAPI:
@@ -99,10 +110,13 @@ def build_app(
 
     def _prefill_body(body: dict) -> dict:
         # n=1: the prefill is one request whatever the client's n (one response names one set of blocks)
-        p_body = dict(body, max_tokens=1, n=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-        p_body.pop("stream_options", None)
-        p_body.pop("best_of", None)
-        p_body.pop("max_completion_tokens", None)
+        # ignore_eos: an EOS (or a stop) as the one token would finish it "stopped", and a stopped request
+        # hands over no blocks. Whatever limits the client's own decode (min_tokens, stops) is the decode
+        # server's business: with max_tokens=1, a min_tokens of 5 was the producer's 400 for a valid request.
+        p_body = dict(body, max_tokens=1, n=1, stream=False, ignore_eos=True,
+                      kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        for key in _DECODE_ONLY_FIELDS:
+            p_body.pop(key, None)
         return p_body
 
     async def _prefill(path: str, body: dict, headers: dict) -> dict | Response:

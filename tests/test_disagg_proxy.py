@@ -217,4 +217,32 @@ def test_a_stopped_backend_is_a_502_after_the_timeout_and_unhealthy_at_once():
     for flag in ("--timeout", "--health-timeout"):
         r = subprocess.run([sys.executable, script, "--prefill", url, "--decode", url, flag, "0"],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert r.returncode == 2 and f"argument {flag}: must be a positive, finite number of seconds" in r.stderr
+        assert (
+            r.returncode == 2 and f"argument {flag}: must be a positive, finite number of seconds" in r.stderr
+        )
+
+
+def test_the_prefill_request_carries_no_decode_limits(servers):
+    """A valid request with `min_tokens` (here 5 of 10) was the producer's 400 "min_tokens must be <= max_tokens=1":
+    the proxy copied it into the one-token prefill. The prefill now drops the decode's limits (min_tokens, stops)
+    and ignores EOS (a stopped prefill hands over no blocks); the decode server gets the request as sent."""
+    seen = {}
+
+    def record(name):
+        def reply(path, body):
+            seen[name] = body
+            return _prefill_ok(path, body)
+
+        return reply
+
+    body = dict(BODY, max_tokens=10, min_tokens=5, stop=["\n"], stop_token_ids=[7], max_completion_tokens=10)
+    with _proxy(
+        servers("backend", reply=record("prefill")), servers("backend", reply=record("decode"))
+    ) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+    prefill, decode = seen["prefill"], seen["decode"]
+    assert (prefill["max_tokens"], prefill["n"], prefill["ignore_eos"]) == (1, 1, True)
+    assert not {"min_tokens", "stop", "stop_token_ids", "max_completion_tokens"} & set(prefill)
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    assert {k: decode[k] for k in body} == body  # the client's own request, plus the producer's parameters
+    assert decode["kv_transfer_params"] == {"do_remote_prefill": True}
