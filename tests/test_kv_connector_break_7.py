@@ -6,6 +6,11 @@
    no `kv_transfer_params` at all, decoded from the wrong KV. Each pull now names its prompt
    (`prompt_digest`) and the producer refuses a pull for another prompt than the one it computed: the
    consumer recomputes, nothing wrong is cached, and the producer's blocks stay held for their request.
+2. `abort_timeout_s` / `transfer_timeout_s` took any float: NaN held a producer's unpulled blocks forever, inf
+   let a pull from a silent peer never end. Now (0, 86400] seconds or a ValueError naming the key (tested in
+   chapter 47e).
+3. The proxy's one-token prefill kept the client's `min_tokens` (the producer's 400 for a valid request) and
+   could stop on EOS (no blocks handed over). Tested in tests/test_disagg_proxy.py.
 """
 
 import socket
