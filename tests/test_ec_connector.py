@@ -268,3 +268,29 @@ def test_chunked_prefill_producer_and_consumer(ckpt, plain, tmp_path):
     finally:
         for llm in engines.values():
             llm.llm_engine.shutdown()
+
+
+def test_another_checkpoints_encoder_outputs_are_encoded_again(ckpt, plain, tmp_path):
+    """Issue 30 (eighth break pass): stored encoder outputs were keyed by the image's hash alone, so another
+    checkpoint of the same width (a new version deployed at the same path, another model on the same folder)
+    merged them into its prompt, silently. Each file now names the checkpoint that encoded it; another's is a
+    miss (encoded again, and left for the checkpoint it belongs to)."""
+    other = make_tiny_checkpoint("gemma3_mm", tmp_path / "other", seed=1)
+    requests = [request(20)]
+    store = tmp_path / "store"
+    llm = LLM(ckpt, dtype="float32", block_size=4, ec_transfer_config=ec_config(store, "ec_both"))
+    try:
+        assert tokens(llm, requests) == tokens(plain, requests)  # encodes and saves
+    finally:
+        llm.llm_engine.shutdown()
+    ref = LLM(other, dtype="float32", block_size=4)
+    try:
+        want = tokens(ref, requests)
+    finally:
+        ref.llm_engine.shutdown()
+    llm = LLM(other, dtype="float32", block_size=4, ec_transfer_config=ec_config(store, "ec_both"))
+    try:
+        assert tokens(llm, requests) == want  # was: the first checkpoint's encoder output, other tokens
+        assert runner(llm).num_encoder_runs == 1  # encoded again, not loaded
+    finally:
+        llm.llm_engine.shutdown()

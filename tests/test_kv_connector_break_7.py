@@ -11,8 +11,13 @@
    chapter 47e).
 3. The proxy's one-token prefill kept the client's `min_tokens` (the producer's 400 for a valid request) and
    could stop on EOS (no blocks handed over). Tested in tests/test_disagg_proxy.py.
+4. LMCache and ExampleConnector keyed stored KV by the model's *path*: a new checkpoint deployed at the same
+   path (or two deployments both serving `./model` over one Redis or folder) decoded from the old weights'
+   KV, silently. The EC example connector had the same gap for encoder outputs. Keys now carry
+   `checkpoint_identity` (a content hash of config.json and the weights, chapter 36).
 """
 
+import shutil
 import socket
 import time
 
@@ -70,3 +75,40 @@ def test_another_prompts_params_do_not_poison_the_consumers_prefix_cache(tmp_pat
     finally:
         prod.llm_engine.shutdown()
         cons.llm_engine.shutdown()
+
+
+def _stored_kv_connector(kind: str, root) -> dict:
+    if kind == "ExampleConnector":
+        return {"kv_connector": kind, "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(root / "ex")}}  # fmt: skip
+    return {"kv_connector": kind, "kv_role": "kv_both",
+            "kv_connector_extra_config": {"chunk_size": 8, "local_cpu": False, "local_disk": str(root / "lmc"),
+                                          "max_local_disk_size": 0.01}}  # fmt: skip
+
+
+def _run(path, prompt, kvt=None):
+    from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
+
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, kv_cache_memory_bytes=4 << 20, kv_transfer_config=kvt)
+    try:
+        out = list(_greedy(llm, prompt, n=6).outputs[0].token_ids)
+        connector = get_kv_transfer_group_or_none()
+        if kvt and kvt["kv_connector"] == "LMCacheConnectorV1":
+            connector.storage.flush()  # the disk tier's writes land before the next engine reads
+        return out
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["ExampleConnector", "LMCacheConnectorV1"])
+def test_a_new_checkpoint_at_the_same_path_does_not_load_the_old_ones_kv(tmp_path, kind):
+    model = tmp_path / "model"
+    prompt = list(range(10, 43))
+    kvt = _stored_kv_connector(kind, tmp_path)
+    make_tiny_checkpoint("llama", model, seed=0)
+    old = _run(model, prompt, kvt)  # the old weights fill the tier
+    assert _run(model, prompt, kvt) == old  # read back by a new engine: the same tokens
+    shutil.rmtree(model)
+    make_tiny_checkpoint("llama", model, seed=1)  # a new version, deployed in place
+    want = _run(model, prompt)
+    assert want != old
+    assert _run(model, prompt, kvt) == want  # was: the old weights' KV, the old tokens

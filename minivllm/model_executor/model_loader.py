@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,10 +18,12 @@ import torch
 from torch import nn
 
 from ..config import set_current_vllm_config
+from ..transformers_utils.embedded import get_cache_dir
 
 # %% auto #0
 __all__ = ['ModelRegistry', 'get_model_architecture', 'get_safetensors_files', 'safetensors_weights_iterator',
-           'set_default_torch_dtype', 'process_weights_after_loading', 'get_model']
+           'set_default_torch_dtype', 'process_weights_after_loading', 'get_model', 'checkpoint_fingerprint',
+           'checkpoint_identity']
 
 # %% ../../nbs/36_model_loader.ipynb #849d9e94
 class _ModelRegistry:
@@ -155,3 +159,69 @@ def get_model(vllm_config: Any, model_config: Any = None) -> nn.Module:
         )
     process_weights_after_loading(model, model_config, device)
     return model.eval()
+
+# %% ../../nbs/36_model_loader.ipynb #047a097f
+def _file_digest(path: Path, memo: dict) -> str:
+    "BLAKE3 of a file's bytes, memoised in `memo` under its resolved path, inode, size, mtime and ctime (ns)."
+    import blake3
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    if not isinstance(memo.get(key), str):
+        h = blake3.blake3()  # one thread: a pool made before a fork deadlocks the forked worker
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+        memo[key] = h.hexdigest()
+    return memo[key]
+
+
+def checkpoint_fingerprint(model_dir: str | Path) -> str:
+    """Hex BLAKE3 (64 characters) naming a checkpoint folder's weights and config by content: of
+    `config.json` and each safetensors file (name and digest). Per-file digests are memoised in
+    `$MINIVLLM_CACHE_DIR/checkpoint_fingerprints.json` by path, inode, size, mtime and ctime. Raises
+    `ValueError` (from `get_safetensors_files`) for a folder without safetensors weights, `OSError` for one
+    that cannot be read.
+    Source: minivllm's own (the role of the model name in vLLM's and LMCache's cache keys)."""
+    import blake3
+
+    model_dir = Path(model_dir)
+    memo_path = get_cache_dir() / "checkpoint_fingerprints.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+        memo = memo if isinstance(memo, dict) else {}
+    except (OSError, ValueError):
+        memo = {}
+    before = dict(memo)
+    files = [model_dir / "config.json", *get_safetensors_files(model_dir)]
+    h = blake3.blake3()
+    for f in files:
+        h.update(f"{f.name}={_file_digest(f, memo)};".encode())
+    if memo != before:
+        _write_memo(memo_path, memo)
+    return h.hexdigest()
+
+
+def _write_memo(path: Path, memo: dict) -> None:
+    "Replace the memo file atomically; a cache that cannot be written is only a slower next start."
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+# %% ../../nbs/36_model_loader.ipynb #dda183d1
+def checkpoint_identity(model: str | Path) -> str:
+    """What a connector's keys name the model by: `<folder name>#<first 32 hex of checkpoint_fingerprint>` for
+    a checkpoint folder, else `str(model)` (a config built without weights, as in tests). Raises `OSError`
+    for a folder whose weights cannot be read. Source: minivllm's own."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return str(model)
+    try:
+        return f"{path.name}#{checkpoint_fingerprint(path)[:32]}"
+    except ValueError:  # a folder without safetensors weights: nothing to name
+        return str(model)

@@ -86,6 +86,10 @@ class ECExampleConnector(ECConnectorBase):
         self._hidden_size = (
             model_config.get_hidden_size() if hasattr(model_config, "get_hidden_size") else None
         )
+        from minivllm.model_executor.model_loader import checkpoint_identity  # the weights, not the path
+
+        # which checkpoint encoded a stored output: another one's (same hash, same width) is a miss
+        self._model_id = checkpoint_identity(getattr(model_config, "model", ""))
 
     def _generate_foldername_debug(self, mm_hash: str, create_folder: bool = False) -> Path:
         name = mm_hash
@@ -140,7 +144,7 @@ def save_caches(
         folder = self._generate_foldername_debug(mm_hash, create_folder=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         os.close(fd)
-        save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors)})
+        save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors), "model": self._model_id})
         os.replace(tmp, self._generate_filename_debug(mm_hash))
     except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
         logger.warning("EC connector: cannot save encoder output %s (%s); it is not stored", mm_hash, e)
@@ -157,7 +161,8 @@ class _DamagedFile(ValueError):
 def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch.Tensor:
     """`path`'s `ec_cache` tensor. `FileNotFoundError` if it is gone; `_DamagedFile` or `SafetensorError` (a
     header cut short or forged, no `ec_cache`) unless it is a regular file whose checksum matches;
-    `ValueError` if its header's shape is not (`num_token`, hidden), checked before it is read."""
+    `ValueError` if its header's shape is not (`num_token`, hidden), checked before it is read, or if another
+    checkpoint encoded it (`checkpoint_identity` in its metadata)."""
     if path.exists() and not path.is_file():  # a FIFO would block the read until someone writes to it
         raise _DamagedFile("not a regular file")
     with safe_open(str(path), "pt") as f:
@@ -165,10 +170,12 @@ def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch
         if len(shape) != 2 or shape[0] != num_token or shape[1] != (self._hidden_size or shape[1]):
             # a planted header may claim gigabytes: never read more than the expected rows
             raise ValueError(f"shape {tuple(shape)}, expected ({num_token}, {self._hidden_size or 'hidden'})")
-        digest = (f.metadata() or {}).get("sha256")
+        meta = f.metadata() or {}
         tensor = f.get_tensor("ec_cache")
-    if digest != safetensors_digest({"ec_cache": tensor}):
+    if meta.get("sha256") != safetensors_digest({"ec_cache": tensor}):
         raise _DamagedFile("checksum mismatch: a damaged, truncated or foreign file")
+    if meta.get("model") != self._model_id:  # an intact output of another checkpoint: left for it
+        raise ValueError(f"encoded by checkpoint {str(meta.get('model'))[:80]!r}, not {self._model_id!r}")
     return tensor
 
 # %% ../../../../nbs/47i_ec_example_connector.ipynb #6ecd155f

@@ -165,7 +165,9 @@ class ExampleConnector(KVConnectorBase_V1):
             sweep_stale_tmp(self._storage, stale_tmp_seconds(extra, "kv_connector_extra_config"))
         self._block_size = vllm_config.cache_config.block_size
         mc = vllm_config.model_config
-        self._model_tag = f"{mc.model}|{mc.dtype}|{self._block_size}"
+        from minivllm.model_executor.model_loader import checkpoint_identity  # the weights, not the path
+
+        self._model_tag = f"{checkpoint_identity(mc.model)}|{mc.dtype}|{self._block_size}"
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) != 1:
             raise ValueError(f"ExampleConnector supports one KV cache group; this model has {len(groups)}")

@@ -194,7 +194,9 @@ class LMCacheConnectorV1Worker:
 
     def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, lookup_path: str, worker_id: int = 0):
         self.block_size = vllm_config.cache_config.block_size
-        self.model_name = str(vllm_config.model_config.model)
+        from minivllm.model_executor.model_loader import checkpoint_identity  # the weights, not the path
+
+        self.model_name = checkpoint_identity(vllm_config.model_config.model)
         self.world_size = vllm_config.parallel_config.world_size
         self.worker_id = worker_id
         self.lookup_path = lookup_path
