@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import numbers
 import os
 import urllib.parse
 from dataclasses import dataclass, fields
@@ -52,8 +54,11 @@ class LMCacheEngineConfig:
         return Path(self.local_disk.removeprefix("file://"))
 
     def validate(self, block_size: int | None = None) -> LMCacheEngineConfig:
-        if self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be positive; got {self.chunk_size}")
+        """`self` if every field is usable, else `ValueError` naming the first bad field and its range: every
+        number is finite and in `_LIMITS` (a size is > 0 where its tier is on), `chunk_size` an int that is a
+        multiple of `block_size` (tokens), `remote_url` a redis:// URL. Source: minivllm's own."""
+        for name, (low, high, low_open, unit) in _LIMITS.items():
+            _check_number(name, getattr(self, name), low, high, low_open, unit)
         if block_size is not None and self.chunk_size % block_size:
             raise ValueError(
                 f"chunk_size ({self.chunk_size}) must be a multiple of the block size ({block_size})"
@@ -66,13 +71,30 @@ class LMCacheEngineConfig:
             raise ValueError(
                 f"max_local_disk_size must be > 0 GB with local_disk; got {self.max_local_disk_size}"
             )
-        if not 0 < self.blocking_timeout_secs <= 3600:  # also refuses NaN and inf: a wait must end
-            raise ValueError(
-                f"blocking_timeout_secs must be in (0, 3600] seconds; got {self.blocking_timeout_secs}"
-            )
         if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://")):
             raise ValueError(f"remote_url must be redis://host:port; got {redact_url(self.remote_url)!r}")
         return self
+
+# %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #9c4e1a73
+_LIMITS: dict[str, tuple[float, float, bool, str]] = {  # field: (low, high, low excluded, unit)
+    "chunk_size": (1, 1 << 20, False, "tokens"),
+    "max_local_cpu_size": (0.0, 65536.0, False, "GB"),
+    "max_local_disk_size": (0.0, 65536.0, False, "GB"),
+    "remote_timeout_s": (0.0, 3600.0, True, "seconds"),
+    "blocking_timeout_secs": (0.0, 3600.0, True, "seconds"),
+}
+
+
+def _check_number(name: str, value: Any, low: float, high: float, low_open: bool, unit: str) -> None:
+    """`ValueError` naming `name` and its range unless `value` is a finite real (an int for an int field) in
+    [low, high] (or (low, high] with `low_open`); a bool is no number. Source: minivllm's own."""
+    kind = numbers.Integral if name == "chunk_size" else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low < value if low_open else low <= value) and value <= high  # NaN fails every comparison
+    if not ok:
+        what = "an int" if kind is numbers.Integral else "a number"
+        span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be {what} in {span} {unit}; got {value!r}")
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #6cdad4e8
 def redact_url(url: str) -> str:
@@ -88,7 +110,8 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def _coerce(name: str, value: Any) -> Any:
-    "`value` (a string from the environment, or YAML's value) as field `name`'s type."
+    """`value` (a string from the environment, or YAML's value) as field `name`'s type; `ValueError` naming
+    the field for a number that is no number (a word). Source: minivllm's own."""
     kind = {f.name: f.type for f in fields(LMCacheEngineConfig)}[name]
     if isinstance(value, str):
         value = value.strip()
@@ -96,10 +119,11 @@ def _coerce(name: str, value: Any) -> Any:
             return None
     if kind == "bool":
         return value if isinstance(value, bool) else str(value).lower() in _TRUE
-    if kind == "int":
-        return int(value)
-    if kind == "float":
-        return float(value)
+    if kind in ("int", "float"):
+        try:  # "nan" and "inf" become floats here; validate refuses them, naming the field
+            return int(value) if kind == "int" and not isinstance(value, float) else float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number ({kind}); got {value!r}") from None
     return None if value is None else str(value)
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #242a66e7
