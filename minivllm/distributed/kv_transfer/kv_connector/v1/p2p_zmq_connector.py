@@ -56,11 +56,13 @@ class RecvReqMeta:
 
 @dataclass
 class P2pZmqConnectorMetadata(KVConnectorMetadata):
-    """This step's pulls (consumer) and servable requests (producer: block ids, deadline).
-    Source: vLLM v0.15 nixl_connector.py `NixlConnectorMetadata` (role)."""
+    """This step's pulls (consumer), servable requests (producer: block ids, deadline, digest) and the pulls
+    to drop (consumer: requests aborted while their KV was arriving).
+    Source: vLLM v0.15 nixl_connector.py `NixlConnectorMetadata` (role; `reqs_to_cancel`: minivllm's own)."""
 
     reqs_to_recv: dict[str, RecvReqMeta] = field(default_factory=dict)
     reqs_to_send: dict[str, tuple[list[int], float, str]] = field(default_factory=dict)
+    reqs_to_cancel: set[str] = field(default_factory=set)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2914bad3
 _MAX_REMOTE_TP_SIZE = 64  # producer ranks one consumer rank may tell DONE (3 ZeroMQ sockets each)
@@ -129,6 +131,7 @@ class P2pZmqConnectorScheduler:
         self._reqs_to_recv: dict[str, RecvReqMeta] = {}
         self._reqs_to_send: dict[str, tuple[list[int], float, str]] = {}
         self._recving: set[str] = set()  # pulls handed to the worker and not finished yet
+        self._reqs_to_cancel: set[str] = set()  # of those, requests aborted since the last step
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -185,20 +188,22 @@ class P2pZmqConnectorScheduler:
         params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: Any) -> P2pZmqConnectorMetadata:
-        meta = P2pZmqConnectorMetadata(self._reqs_to_recv, self._reqs_to_send)
+        meta = P2pZmqConnectorMetadata(self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel)
         self._recving.update(rid for rid, m in self._reqs_to_recv.items() if m.local_block_ids)
-        self._reqs_to_recv, self._reqs_to_send = {}, {}
+        self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel = {}, {}, set()
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._recving.difference_update(connector_output.finished_recving or ())
+        self._reqs_to_cancel.difference_update(connector_output.finished_recving or ())
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #620f8bb7
 @patch
 def request_finished(
     self: P2pZmqConnectorScheduler, request: Any, block_ids: list[int]
 ) -> tuple[bool, dict | None]:
-    if request.request_id in self._recving:  # a pull still writes into these blocks
+    if request.request_id in self._recving:  # a pull still writes into these blocks: the worker drops it
+        self._reqs_to_cancel.add(request.request_id)  # and reports it received, which frees them
         return True, None
     self._reqs_to_recv.pop(request.request_id, None)
     params = request.kv_transfer_params
@@ -287,13 +292,15 @@ class P2pZmqConnectorWorker:
     def start_load_kv(self, meta: P2pZmqConnectorMetadata) -> None:
         with self._lock:
             self._to_send.update(meta.reqs_to_send)
-        if not meta.reqs_to_recv:
+        if not meta.reqs_to_recv and not meta.reqs_to_cancel:
             return
         if self._puller is None or not self._puller.is_alive():  # the last guard: replace a dead thread
             self._puller = threading.Thread(target=self._pull_loop, name="p2p-zmq-pull", daemon=True)
             self._puller.start()
         for req_id, recv in meta.reqs_to_recv.items():
             self._inbox.put((req_id, recv))
+        for req_id in meta.reqs_to_cancel:  # after any pull queued earlier: the inbox keeps the order
+            self._inbox.put((req_id, None))
         self._wake()
 
     def _wake(self) -> None:
@@ -430,6 +437,9 @@ def _reply(kind: bytes, tag: Any, *frames: Any, **header: Any) -> list:
 @patch
 def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
     rid, tag = msg.get("req_id"), msg.get("tag")
+    if kind not in (b"READ", b"DONE"):  # it was served as a READ
+        error = f"unknown message kind {kind[:16].decode(errors='replace')!r}; expected READ or DONE"
+        return _reply(b"ERROR", tag, error=error)
     with self._lock:
         entry = self._to_send.get(rid) if isinstance(rid, str) else None
         if entry is not None and msg.get("digest") != entry[2]:  # another prompt's request: serve it nothing
@@ -481,7 +491,10 @@ def _pull_loop(self: P2pZmqConnectorWorker) -> None:
                     req_id, recv = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                self._start_pull(req_id, recv)
+                if recv is None:
+                    self._cancel(req_id)
+                else:
+                    self._start_pull(req_id, recv)
             self._tick(time.monotonic())
             for peer in [p for p in self._peers.values() if not p.pulls]:
                 self._close_peer(peer)
@@ -618,18 +631,40 @@ def _report(self: P2pZmqConnectorWorker, pull: _Pull, written: int, why: str | N
 def _finish(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull, written: int, why: str | None) -> None:
     "Report the pull, then say DONE (the producer answered, so it is there to hear it) and await its ACK."
     self._report(pull, written, why)
+    self._say_done(peer, pull)
+
+
+@patch
+def _say_done(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull) -> None:
+    """Tell the producer it may free the pull's blocks, and from now on read only its ACK (until
+    `transfer_timeout_s`): a late OK is dropped, never written. Source: minivllm's own."""
     pull.phase, pull.retry_at = "done", None
     pull.deadline = time.monotonic() + self.transfer_timeout_s
     self._send(peer, pull, b"DONE")
+
+
+@patch
+def _cancel(self: P2pZmqConnectorWorker, req_id: str) -> None:
+    """The engine aborted `req_id` while its pull reads: report it received (the scheduler then frees the
+    aborted request's blocks; none is marked invalid, no failure is counted) and say DONE. Nothing if the
+    pull already ended (it was reported then). Source: minivllm's own."""
+    for peer in self._peers.values():
+        pull = peer.pulls.get(req_id)
+        if pull is not None and pull.phase == "read":
+            with self._lock:
+                self._finished_recving.add(req_id)
+            self._say_done(peer, pull)
+            return
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #da4444ad
 @patch
 def _tick(self: P2pZmqConnectorWorker, now: float) -> None:
     for peer in list(self._peers.values()):
         for pull in list(peer.pulls.values()):
-            if now >= pull.deadline:
-                if pull.phase == "read":
-                    self._report(pull, 0, f"no answer within {self.transfer_timeout_s:g} s")
+            if now >= pull.deadline and pull.phase == "read":  # a slow producer may still be there
+                self._report(pull, 0, f"no answer within {self.transfer_timeout_s:g} s")
+                self._say_done(peer, pull)
+            elif now >= pull.deadline:
                 del peer.pulls[pull.req_id]
             elif pull.retry_at is not None and now >= pull.retry_at:
                 pull.retry_at = None
