@@ -345,7 +345,7 @@ def configure_logging(verbose: bool) -> None:
             )
             log.addHandler(handler)
 
-
+# %% ../../../nbs/29d_cli.ipynb #574044bb
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `minivllm` console script. Invalid input prints `error: ...` and exits with 2;
     Ctrl-C (while loading or generating) prints `interrupted` and exits with 130, the shell's code for SIGINT,

@@ -46,6 +46,7 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils 
     lmcache_get_config,
 )
 from ....parallel_state import get_tensor_model_parallel_rank
+from .....model_executor.model_loader import checkpoint_identity
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +195,7 @@ class LMCacheConnectorV1Worker:
 
     def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, lookup_path: str, worker_id: int = 0):
         self.block_size = vllm_config.cache_config.block_size
-        from minivllm.model_executor.model_loader import checkpoint_identity  # the weights, not the path
-
-        self.model_name = checkpoint_identity(vllm_config.model_config.model)
+        self.model_name = checkpoint_identity(vllm_config.model_config.model)  # the weights, not the path
         self.world_size = vllm_config.parallel_config.world_size
         self.worker_id = worker_id
         self.lookup_path = lookup_path

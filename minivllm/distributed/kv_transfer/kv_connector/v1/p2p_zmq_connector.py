@@ -609,7 +609,7 @@ def _send(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull, kind: bytes, **
             self._report(pull, 0, f"cannot send to {peer.addr}: {e}")
         peer.pulls.pop(pull.req_id, None)
 
-
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #512103aa
 @patch
 def _report(self: P2pZmqConnectorWorker, pull: _Pull, written: int, why: str | None) -> None:
     "Tell the engine the pull ended: blocks beyond the first `written` did not arrive (invalid)."
