@@ -127,40 +127,12 @@ class P2pZmqConnectorScheduler:
         self.host, self.port = kvt.kv_ip, kvt.kv_port
         self.is_producer = kvt.is_kv_producer  # only a producer (or kv_both) runs the KV server
         self.abort_timeout_s = _seconds_from_config(kvt, "abort_timeout_s", 120.0)
+        self.allowed_producers = _allowed_producers(kvt)  # None: any producer a request names
         self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         self._reqs_to_recv: dict[str, RecvReqMeta] = {}
         self._reqs_to_send: dict[str, tuple[list[int], float, str]] = {}
         self._recving: set[str] = set()  # pulls handed to the worker and not finished yet
         self._reqs_to_cancel: set[str] = set()  # of those, requests aborted since the last step
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return 0, False
-        if not _valid_remote_params(params):  # a client's malformed params: compute locally, never crash
-            logger.warning(
-                "P2pZmqConnector: request %s has malformed kv_transfer_params %r; computing it locally",
-                request.request_id,
-                params,
-            )
-            params["do_remote_prefill"] = False
-            return 0, False
-        remote_tp_size = params.get("tp_size", self.tp_size)
-        if remote_tp_size != self.tp_size:  # each rank would read heads its peer rank does not hold
-            logger.warning(
-                "P2pZmqConnector: request %s comes from a producer at --tensor-parallel-size %d and this "
-                "engine runs --tensor-parallel-size %d; computing it here (start both with the same size)",
-                request.request_id,
-                remote_tp_size,
-                self.tp_size,
-            )
-            self._queue_recv(request, [], num_computed_tokens, remote_tp_size)  # the producer frees them
-            return 0, False
-        count = max(0, request.num_prompt_tokens - num_computed_tokens)
-        if count == 0:  # all local: still tell the producer it may free its blocks
-            self._queue_recv(request, [], num_computed_tokens)
-            return 0, False
-        return count, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -196,6 +168,65 @@ class P2pZmqConnectorScheduler:
     def update_connector_output(self, connector_output: Any) -> None:
         self._recving.difference_update(connector_output.finished_recving or ())
         self._reqs_to_cancel.difference_update(connector_output.finished_recving or ())
+
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #285399de
+def _allowed_producers(kvt: Any) -> frozenset[str] | None:
+    """`kv_connector_extra_config.allowed_producers` as a set of "host:port" (None when unset). Raises
+    ValueError naming the key unless it is a list of such strings with a port in [1, 65535]."""
+    raw = kvt.get_from_extra_config("allowed_producers", None)
+    if raw is None:
+        return None
+    error = f"kv_connector_extra_config.allowed_producers must be a list of 'host:port' strings; got {raw!r}"
+    if not isinstance(raw, list):
+        raise ValueError(error)
+    for item in raw:
+        host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(error)
+    return frozenset(raw)
+
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #fd07ac75
+@patch
+def get_num_new_matched_tokens(
+    self: P2pZmqConnectorScheduler, request: Any, num_computed_tokens: int
+) -> tuple[int, bool]:
+    params = request.kv_transfer_params
+    if not params or not params.get("do_remote_prefill"):
+        return 0, False
+    if not _valid_remote_params(params):  # a client's malformed params: compute locally, never crash
+        logger.warning(
+            "P2pZmqConnector: request %s has malformed kv_transfer_params %r; computing it locally",
+            request.request_id,
+            params,
+        )
+        params["do_remote_prefill"] = False
+        return 0, False
+    producer = f"{params.get('remote_host', '127.0.0.1')}:{params['remote_port']}"
+    if self.allowed_producers is not None and producer not in self.allowed_producers:
+        logger.warning(
+            "P2pZmqConnector: request %s names producer %s, which is not in allowed_producers; computing it "
+            "locally (its KV would be cached for every later request with this prompt)",
+            request.request_id,
+            producer[:200],
+        )
+        params["do_remote_prefill"] = False
+        return 0, False
+    remote_tp_size = params.get("tp_size", self.tp_size)
+    if remote_tp_size != self.tp_size:  # each rank would read heads its peer rank does not hold
+        logger.warning(
+            "P2pZmqConnector: request %s comes from a producer at --tensor-parallel-size %d and this "
+            "engine runs --tensor-parallel-size %d; computing it here (start both with the same size)",
+            request.request_id,
+            remote_tp_size,
+            self.tp_size,
+        )
+        self._queue_recv(request, [], num_computed_tokens, remote_tp_size)  # the producer frees them
+        return 0, False
+    count = max(0, request.num_prompt_tokens - num_computed_tokens)
+    if count == 0:  # all local: still tell the producer it may free its blocks
+        self._queue_recv(request, [], num_computed_tokens)
+        return 0, False
+    return count, True
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #620f8bb7
 @patch
