@@ -204,14 +204,19 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 
 def _write_memo(path: Path, memo: dict) -> None:
     "Replace the memo file atomically; a cache that cannot be written is only a slower next start."
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(memo, f)
         os.replace(tmp, path)
-    except OSError:
+        tmp = None
+    except OSError:  # a full disk, a read-only folder, a directory where the memo should be
         pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 # %% ../../nbs/36_model_loader.ipynb #dda183d1
 def checkpoint_identity(model: str | Path) -> str:
