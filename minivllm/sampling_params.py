@@ -262,6 +262,7 @@ def _verify_types(self: SamplingParams) -> None:
                 raise ValueError(f"logit_bias: the bias of token {tid} must be a number, got {b!r}.")
     if self.extra_args is not None and not isinstance(self.extra_args, dict):
         raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
+    _check_kv_transfer_params((self.extra_args or {}).get("kv_transfer_params"))
     if self.structured_outputs is not None and not isinstance(
         self.structured_outputs, StructuredOutputsParams
     ):
@@ -269,6 +270,19 @@ def _verify_types(self: SamplingParams) -> None:
             "structured_outputs must be a StructuredOutputsParams, "
             f"got {type(self.structured_outputs).__name__}."
         )
+
+# %% ../nbs/02_sampling_params.ipynb #79d0e506
+def _check_kv_transfer_params(params: Any) -> None:
+    """Raise ValueError naming `kv_transfer_params` unless it is None or a dict whose `do_remote_prefill` and
+    `do_remote_decode` are booleans (when given). Source: minivllm's own (vLLM's OpenAI protocol types it
+    as a dict)."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be a dict, got {type(params).__name__}.")
+    for flag in ("do_remote_prefill", "do_remote_decode"):
+        if flag in params and not isinstance(params[flag], bool):
+            raise ValueError(f"kv_transfer_params.{flag} must be true or false, got {params[flag]!r}.")
 
 # %% ../nbs/02_sampling_params.ipynb #18476e3d
 @patch(as_prop=True)

@@ -176,12 +176,18 @@ def _file_digest(path: Path, memo: dict) -> str:
     return memo[key]
 
 
+_PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+)  # they shape an image's encoder input
+
+
 def checkpoint_fingerprint(model_dir: str | Path) -> str:
     """Hex BLAKE3 (64 characters) naming a checkpoint folder's weights and config by content: of
-    `config.json` and each safetensors file (name and digest). Per-file digests are memoised in
-    `$MINIVLLM_CACHE_DIR/checkpoint_fingerprints.json` by path, inode, size, mtime and ctime. Raises
-    `ValueError` (from `get_safetensors_files`) for a folder without safetensors weights, `OSError` for one
-    that cannot be read.
+    `config.json`, the image processor's settings (when present) and each safetensors file (name and
+    digest). Per-file digests are memoised in `$MINIVLLM_CACHE_DIR/checkpoint_fingerprints.json` by path,
+    inode, size, mtime and ctime. Raises `ValueError` (from `get_safetensors_files`) for a folder without
+    safetensors weights, `OSError` for one that cannot be read.
     Source: minivllm's own (the role of the model name in vLLM's and LMCache's cache keys)."""
     import blake3
 
@@ -193,7 +199,8 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
     except (OSError, ValueError):
         memo = {}
     before = dict(memo)
-    files = [model_dir / "config.json", *get_safetensors_files(model_dir)]
+    extra = [model_dir / name for name in _PROCESSOR_FILES if (model_dir / name).is_file()]
+    files = [model_dir / "config.json", *extra, *get_safetensors_files(model_dir)]
     h = blake3.blake3()
     for f in files:
         h.update(f"{f.name}={_file_digest(f, memo)};".encode())

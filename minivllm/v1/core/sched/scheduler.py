@@ -672,11 +672,19 @@ def _get_computed_tokens(
 ) -> tuple[KVCacheBlocks | None, int, int, bool] | None:
     """Tokens of a WAITING request already available: (prefix-cache blocks, local tokens, external tokens,
     load asynchronously). The connector is asked after the local hit, as vLLM does; None = it cannot tell
-    yet. A request that already holds computed tokens (its remote KV arrived) gets them as local."""
+    yet. A request that already holds computed tokens (its remote KV arrived) gets them as local. A request
+    asking for prompt logprobs loads nothing: stored KV has no logits."""
     if request.num_computed_tokens > 0:
         return None, request.num_computed_tokens, 0, False
     computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
     if self.connector is None or request.request_id in self.kv_load_failed_req_ids:
+        return computed_blocks, num_local, 0, False
+    sp = request.sampling_params
+    if sp is not None and sp.prompt_logprobs is not None:
+        # every prompt position needs its logits, so none may come from stored KV (the local prefix cache is
+        # skipped for the same reason). The connector is told the whole prompt is here: it loads nothing, and
+        # a P/D consumer still tells its producer to free the blocks it holds.
+        self.connector.get_num_new_matched_tokens(request, request.num_prompt_tokens)
         return computed_blocks, num_local, 0, False
     num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
     if num_external is None:

@@ -66,6 +66,8 @@ class P2pZmqConnectorMetadata(KVConnectorMetadata):
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2914bad3
 _MAX_REMOTE_TP_SIZE = 64  # producer ranks one consumer rank may tell DONE (3 ZeroMQ sockets each)
+_MAX_REMOTE_BLOCKS = 1 << 16  # block ids one request's parameters may name (a million once took 30 s)
+_MAX_PARAM_CHARS = 512  # a host, request id or engine id longer than that is no producer's
 
 
 def _valid_remote_params(params: dict) -> bool:
@@ -74,9 +76,12 @@ def _valid_remote_params(params: dict) -> bool:
     ids = params.get("remote_block_ids")
     port = params.get("remote_port")
     tp_size = params.get("tp_size", 1)
+    strings = [params.get(k, "") for k in ("remote_host", "remote_request_id", "remote_engine_id")]
     return (
         isinstance(ids, list)
+        and len(ids) <= _MAX_REMOTE_BLOCKS
         and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids)
+        and all(not isinstance(s, str) or len(s) <= _MAX_PARAM_CHARS for s in strings)
         and isinstance(port, int)
         and not isinstance(port, bool)
         and 0 < port < 65536
@@ -191,7 +196,7 @@ def get_num_new_matched_tokens(
     self: P2pZmqConnectorScheduler, request: Any, num_computed_tokens: int
 ) -> tuple[int, bool]:
     params = request.kv_transfer_params
-    if not params or not params.get("do_remote_prefill"):
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:  # "yes" is no true
         return 0, False
     if not _valid_remote_params(params):  # a client's malformed params: compute locally, never crash
         logger.warning(
@@ -238,7 +243,7 @@ def request_finished(
         return True, None
     self._reqs_to_recv.pop(request.request_id, None)
     params = request.kv_transfer_params
-    if not params or not params.get("do_remote_decode"):
+    if not isinstance(params, dict) or params.get("do_remote_decode") is not True:  # "false" is no true
         return False, None
     if not self.is_producer:  # nobody here would serve the blocks: never hold them
         logger.warning(
