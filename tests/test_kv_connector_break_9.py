@@ -10,6 +10,9 @@
 3. The checkpoint fingerprint ignored the image processor's settings: a changed `preprocessor_config.json`
    at the same path was served the old encoder outputs. They are hashed too.
 4. The fingerprint memo left a temporary file per start when it could not be replaced (chapter 36).
+5. LMCache settings that are no setting were taken silently: a bool that is no bool ("ture", 2, [1])
+   became False, a misspelt `lmcache.` key was ignored, a list became a folder name. Now a ValueError
+   naming the key.
 """
 
 import json
@@ -95,3 +98,22 @@ def test_the_image_processors_settings_are_part_of_the_fingerprint(tmp_path, mon
     cfg["do_normalize"] = not cfg.get("do_normalize", True)
     (ckpt / names[0]).write_text(json.dumps(cfg))
     assert checkpoint_fingerprint(ckpt) != before  # was: equal, so the old encoder outputs were served
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"use_layerwise": "ture"}, "use_layerwise must be true or false"),
+    ({"local_cpu": [1]}, "local_cpu must be true or false"),
+    ({"save_unfull_chunk": 2}, "save_unfull_chunk must be true or false"),
+    ({"lmcache.chunk_sise": 64}, "unknown LMCache setting 'lmcache.chunk_sise'"),
+    ({"local_disk": ["a", "b"]}, "local_disk must be a string"),
+])  # fmt: skip
+def test_lmcache_settings_that_are_no_setting_are_refused(extra, says):
+    "5. A bool that is no bool became False, a misspelt `lmcache.` key was ignored, a list became a folder name."
+    from minivllm.config import KVTransferConfig
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import lmcache_get_config
+
+    kvt = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both", kv_connector_extra_config=extra)
+    with pytest.raises(ValueError, match=says):
+        lmcache_get_config(kvt, environ={})
+    assert lmcache_get_config(KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both",
+                                               kv_connector_extra_config={"local_cpu": "off"}), environ={}).local_cpu is False  # fmt: skip

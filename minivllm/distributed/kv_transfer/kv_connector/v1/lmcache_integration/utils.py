@@ -107,6 +107,7 @@ def redact_url(url: str) -> str:
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #7614102d
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -118,12 +119,19 @@ def _coerce(name: str, value: Any) -> Any:
         if "None" in kind and value in ("", "None", "null"):
             return None
     if kind == "bool":
-        return value if isinstance(value, bool) else str(value).lower() in _TRUE
+        if isinstance(value, bool):
+            return value
+        word = str(value).lower() if isinstance(value, (str, int)) else None
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off); got {value!r}")
     if kind in ("int", "float"):
         try:  # "nan" and "inf" become floats here; validate refuses them, naming the field
             return int(value) if kind == "int" and not isinstance(value, float) else float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{name} must be a number ({kind}); got {value!r}") from None
+    if value is not None and not isinstance(value, (str, int, float)):  # a list is no folder or URL
+        raise ValueError(f"{name} must be a string; got {type(value).__name__} {value!r}")
     return None if value is None else str(value)
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #242a66e7
@@ -174,6 +182,10 @@ def lmcache_get_config(
         name = key.removeprefix("lmcache.")
         if name in names:
             overrides[name] = value
+        elif key.startswith("lmcache."):  # only LMCache reads these: a misspelt one would be ignored
+            raise ValueError(
+                f"kv_connector_extra_config: unknown LMCache setting {key!r}; known: {sorted(names)}"
+            )
     return _from_mapping(cfg, overrides, "kv_connector_extra_config")
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #e1869a5e
