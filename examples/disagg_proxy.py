@@ -24,6 +24,7 @@ vLLM v0.15 entrypoints/openai/protocol.py `ErrorResponse`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from http import HTTPStatus
@@ -105,8 +106,14 @@ def build_app(
     for name, value in (("timeout_s", timeout_s), ("health_timeout_s", health_timeout_s)):
         if not _is_seconds(value):
             raise ValueError(f"{name} must be a positive, finite number of seconds; got {value!r}")
-    app = FastAPI()
     client = httpx.AsyncClient(timeout=timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await client.aclose()  # its pooled connections close with the app, not at garbage collection
+
+    app = FastAPI(lifespan=lifespan)
 
     def _prefill_body(body: dict) -> dict:
         # n=1: the prefill is one request whatever the client's n (one response names one set of blocks)

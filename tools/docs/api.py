@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,13 +82,27 @@ def _entry(node: ast.AST, name: str) -> ApiEntry | None:
     return None
 
 
+def parse_module(source: str) -> ast.Module:
+    """`ast.parse` with the garbage collector paused. In CPython 3.11 a finalizer that runs Python code in the
+    middle of the AST constructor (here: asyncio's "Task was destroyed but it is pending!" for an event loop
+    an earlier test closed) makes it raise `SystemError: AST constructor recursion depth mismatch`; it broke
+    every docs-site test once in CI. Raises SyntaxError for source that does not parse."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def module_api(source: str) -> list[ApiEntry] | None:
     """The documented names of a module's source, in `__all__` order; None when it has no literal `__all__`.
 
     A name in `__all__` that the module does not define (a re-export) is listed as a value. Raises SyntaxError
     for source that does not parse."""
     names, defs = None, {}
-    for node in ast.parse(source).body:
+    for node in parse_module(source).body:
         if isinstance(node, ast.Assign):
             targets = node.targets
         elif isinstance(node, ast.AnnAssign):
