@@ -18,13 +18,13 @@
 """
 
 import shutil
-import socket
 import time
 
 import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.executor.multiproc_executor import get_open_port
 
 A = list(range(10, 30))  # 20 tokens: five blocks of 4
 B = list(range(200, 220))  # the same length, other tokens
@@ -35,12 +35,6 @@ KW = dict(dtype="float32", max_model_len=64, block_size=4, kv_cache_memory_bytes
 def in_process_engine(monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _greedy(llm, prompt, params=None, n=8):
@@ -57,7 +51,7 @@ def test_another_prompts_params_do_not_poison_the_consumers_prefix_cache(tmp_pat
     finally:
         ref.llm_engine.shutdown()
     prod = LLM(path, **KW, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer",
-                                               "kv_port": _free_port()})  # fmt: skip
+                                               "kv_port": get_open_port()})  # fmt: skip
     cons = LLM(path, **KW, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
                                                "kv_connector_extra_config": {"transfer_timeout_s": 10}})  # fmt: skip
     try:

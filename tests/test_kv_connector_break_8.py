@@ -16,7 +16,6 @@ is not registered yet, or a slow one) and every DONE with ACK, counting both.
 """
 
 import json
-import socket
 import threading
 import time
 
@@ -25,6 +24,7 @@ import zmq
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.executor.multiproc_executor import get_open_port
 
 PROMPT = list(range(10, 30))  # 20 tokens: five blocks of 4
 KW = dict(dtype="float32", max_model_len=64, block_size=4, kv_cache_memory_bytes=8 << 20)
@@ -39,12 +39,6 @@ def in_process_engine(monkeypatch):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeProducer:
@@ -105,7 +99,7 @@ def _wait(cond, timeout: float, step=None) -> bool:
 
 
 def test_an_aborted_pull_frees_its_blocks_at_once_and_tells_the_producer(ckpt):
-    port = _free_port()
+    port = get_open_port()
     fake = FakeProducer(port)
     llm = _consumer(ckpt, transfer_timeout_s=20)
     engine = llm.llm_engine
@@ -132,7 +126,7 @@ def test_an_aborted_pull_frees_its_blocks_at_once_and_tells_the_producer(ckpt):
 
 
 def test_a_pull_that_times_out_tells_the_producer_done(ckpt):
-    port = _free_port()
+    port = get_open_port()
     fake = FakeProducer(port)
     llm = _consumer(ckpt, transfer_timeout_s=1)
     try:

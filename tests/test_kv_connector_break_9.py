@@ -16,7 +16,6 @@
 """
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.model_executor.model_loader import checkpoint_fingerprint
 from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.executor.multiproc_executor import get_open_port
 
 KW = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=4 << 20)
 PROMPT = list(range(5, 5 + 50))
@@ -40,16 +40,10 @@ def llama(tmp_path_factory):
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_kv_transfer_params_of_the_wrong_shape_are_refused_and_the_engine_keeps_serving(llama, role):
     llm = LLM(llama, **KW, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": role,
-                                               "kv_port": _free_port()})  # fmt: skip
+                                               "kv_port": get_open_port()})  # fmt: skip
     try:
         for bad, says in (([1, 2], "kv_transfer_params must be a dict"),
                           ({"do_remote_decode": "false"}, "kv_transfer_params.do_remote_decode"),
