@@ -538,7 +538,19 @@ def _pull_loop(self: P2pZmqConnectorWorker) -> None:
         logger.exception("P2pZmqConnector: the pull thread failed")
     finally:
         for peer in list(self._peers.values()):
+            if self._stop.is_set():  # shutting down: the producers may free what we were reading
+                self._say_goodbye(peer)
             self._fail_peer(peer, "the connector is shutting down or its pull thread failed")
+
+
+@patch
+def _say_goodbye(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
+    """Shutting down mid-pull: say DONE for each pull still reading, so that the producer frees its blocks
+    now rather than after its `abort_timeout_s`; the socket lingers half a second to send it (a dead peer
+    costs shutdown no more). Source: minivllm's own."""
+    for pull in [p for p in peer.pulls.values() if p.phase == "read"]:
+        self._send(peer, pull, b"DONE")
+    peer.sock.setsockopt(zmq.LINGER, 500)
 
 
 @patch
@@ -581,7 +593,7 @@ def _close_peer(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
             self._poller.unregister(s)
     peer.sock.disable_monitor()
     peer.monitor.close(linger=0)
-    peer.sock.close(linger=0)
+    peer.sock.close()  # its LINGER: 0, or what _say_goodbye set
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #67fe351f
 @patch
