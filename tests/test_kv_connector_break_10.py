@@ -4,6 +4,16 @@
    nothing to its producer, which kept the request's blocks until its `abort_timeout_s` (120 s). The pull
    thread now says DONE for each pull still reading before it closes its sockets (chapter 47e,
    `_say_goodbye`).
+2. A LoRA adapter was named by its name only in ExampleConnector's and LMCache's keys: an engine serving
+   other weights under the same name (a new version, or another server's folder on a shared store) loaded
+   the first adapter's stored KV (wrong tokens, nothing logged). `connector_salt` now names it by content
+   (`adapter_fingerprint`, chapter 30j), as does the P2P `prompt_digest`.
+3. `connector_salt` joined the salt and the adapter into one string (`f"{salt}|lora:{name}"`), so a
+   base-model request with `cache_salt="|lora:a"` stored KV that adapter `a` then loaded. It is now the
+   JSON list `[salt, adapter]` (chapter 47c).
+4. The same collision inside one engine's prefix cache: the LoRA name and the salt were both bare strings
+   among a block's extra keys, so `cache_salt="a"` on the base model and adapter `a` shared blocks. Both
+   are tagged now (`("lora", name)`, `("cache_salt", salt)`, chapter 11).
 """
 
 import time
@@ -11,7 +21,7 @@ import time
 import pytest
 from test_kv_connector_break_8 import PROMPT, FakeProducer, _consumer, _params, _wait  # tests/ is on sys.path
 
-from minivllm import SamplingParams
+from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_checkpoint
 from minivllm.v1.executor.multiproc_executor import get_open_port
 
@@ -61,3 +71,84 @@ def test_a_consumer_shut_down_mid_pull_to_a_dead_producer_stops_at_once(ckpt):
     t0 = time.monotonic()
     engine.shutdown()
     assert time.monotonic() - t0 < 3  # the half-second linger, not a hang
+
+
+# --- 2-4: a LoRA adapter is named by its content in stored KV, and a salt never passes for an adapter ---
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    from test_lora import _make_adapter  # tests/ is on sys.path
+
+    from minivllm.lora.request import LoRARequest
+
+    root = tmp_path_factory.mktemp("lora")
+    path = make_tiny_checkpoint("llama", root / "base")
+    mods = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    _make_adapter(path, root / "a1", 8, 16, mods, seed=10)
+    _make_adapter(path, root / "a2", 8, 16, mods, seed=11)
+    kw = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20,
+              enable_lora=True, max_lora_rank=8, max_loras=1)  # fmt: skip
+    a1 = LoRARequest("a", 1, str(root / "a1"))
+    a2 = LoRARequest("a", 1, str(root / "a2"))  # another version deployed under the same name
+    ref = LLM(path, **kw, enable_prefix_caching=False)
+    try:
+        want = {
+            "base+salt": _lora_run(ref, salt="a"),
+            "a1": _lora_run(ref, a1),
+            "a2": _lora_run(ref, LoRARequest("b", 2, str(root / "a2"))),
+        }
+    finally:
+        ref.llm_engine.shutdown()
+    assert want["a1"] != want["a2"] != want["base+salt"]  # the adapters change the tokens
+    return path, kw, a1, a2, want, root
+
+
+def _lora_run(llm, lora=None, salt=None) -> list[int]:
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # 40 tokens: two full blocks of 16
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return list(llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids)
+
+
+def _store(kind: str, folder) -> dict:
+    if kind == "ExampleConnector":
+        extra = {"shared_storage_path": str(folder)}
+    else:
+        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(folder), "max_local_disk_size": 0.05}
+    return {"kv_connector": kind, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@pytest.mark.parametrize("kind", ["ExampleConnector", "LMCacheConnectorV1"])
+def test_another_adapter_under_the_same_name_finds_no_stored_kv(lora_setup, kind):
+    path, kw, a1, a2, want, root = lora_setup
+    store = root / f"same-name-{kind}"
+    first = LLM(path, **kw, enable_prefix_caching=False, kv_transfer_config=_store(kind, store))
+    try:
+        assert _lora_run(first, a1) == want["a1"]  # stores a1's KV
+    finally:
+        first.llm_engine.shutdown()
+    later = LLM(path, **kw, enable_prefix_caching=False, kv_transfer_config=_store(kind, store))
+    try:
+        assert _lora_run(later, a2) == want["a2"], "a2 was served a1's stored KV (same name 'a')"
+    finally:
+        later.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["ExampleConnector", "LMCacheConnectorV1", None])
+def test_a_salt_that_spells_an_adapter_is_no_adapter(lora_setup, kind):
+    "Base-model KV stored under cache_salt 'a' (or '|lora:a', the old key) is not found by adapter 'a'."
+    path, kw, a1, _, want, root = lora_setup
+    if kind is None:  # the prefix cache alone: the salt and the LoRA name were the same extra key
+        llm = LLM(path, **kw, enable_prefix_caching=True)
+    else:
+        llm = LLM(
+            path, **kw, enable_prefix_caching=False, kv_transfer_config=_store(kind, root / f"salt-{kind}")
+        )
+    try:
+        assert _lora_run(llm, salt="a") == want["base+salt"]
+        _lora_run(llm, salt="|lora:a")
+        assert _lora_run(llm, a1) == want["a1"], "adapter 'a' was served the base model's KV"
+    finally:
+        llm.llm_engine.shutdown()

@@ -21,8 +21,8 @@ from .punica_wrapper.punica_cpu import LoRAMapping, PunicaWrapperCPU
 
 # %% auto #0
 __all__ = ['DEFAULT_PACKED_MODULES_MAPPING', 'parse_fine_tuned_lora_name', 'expected_lora_shapes', 'check_lora_tensors',
-           'validate_lora_adapter', 'LoRALayerWeights', 'LoRAModel', 'make_random_lora_adapter', 'replace_submodule',
-           'LoRAModelManager', 'LRUCacheLoRAModelManager']
+           'validate_lora_adapter', 'adapter_fingerprint', 'LoRALayerWeights', 'LoRAModel', 'make_random_lora_adapter',
+           'replace_submodule', 'LoRAModelManager', 'LRUCacheLoRAModelManager']
 
 # %% ../../nbs/30j_lora_models.ipynb #def9bfe5
 DEFAULT_PACKED_MODULES_MAPPING = {
@@ -185,6 +185,36 @@ def validate_lora_adapter(lora_request: Any, lora_config: Any, hf_config: Any) -
         if len(_VALIDATED) > _MAX_VALIDATED:
             _VALIDATED.popitem(last=False)
     return helper
+
+# %% ../../nbs/30j_lora_models.ipynb #bcb2aac9
+_FINGERPRINTS: OrderedDict = OrderedDict()  # (real path, files' stat) -> hex BLAKE3; 256 kept
+
+
+def adapter_fingerprint(lora_path: str) -> str:
+    """Hex BLAKE3 (64 characters) of a PEFT adapter folder's `adapter_config.json` and
+    `adapter_model.safetensors` (each file's name and bytes): what KV connectors name an adapter by.
+    Remembered while both files keep their inode, size, mtime and ctime. Raises `OSError` for a folder
+    whose files cannot be read. Source: minivllm's own (the role of the LoRA name in vLLM v0.15
+    v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`, by content)."""
+    import blake3
+
+    files = [os.path.join(lora_path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
+    stamp = tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in map(os.stat, files))
+    key = (os.path.realpath(lora_path), stamp)
+    if key in _FINGERPRINTS:
+        _FINGERPRINTS.move_to_end(key)
+        return _FINGERPRINTS[key]
+    h = blake3.blake3()  # one thread: a pool made before a fork deadlocks a forked worker
+    for path in files:
+        h.update(f"{os.path.basename(path)}=".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+        h.update(b";")
+    _FINGERPRINTS[key] = h.hexdigest()
+    if len(_FINGERPRINTS) > _MAX_VALIDATED:
+        _FINGERPRINTS.popitem(last=False)
+    return _FINGERPRINTS[key]
 
 # %% ../../nbs/30j_lora_models.ipynb #834bcb28
 @dataclass

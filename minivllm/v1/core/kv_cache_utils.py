@@ -163,11 +163,11 @@ def need_extra_keys(request) -> bool:
     )
 
 
-def _gen_lora_extra_hash_keys(request) -> list[str]:
+def _gen_lora_extra_hash_keys(request) -> list[tuple[str, str]]:
     lora = getattr(request, "lora_request", None)
     if lora is None:
         return []
-    return [getattr(lora, "lora_name", lora)]
+    return [("lora", getattr(lora, "lora_name", lora))]  # tagged: a salt of the same text is another key
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #16917f7d
 def _gen_mm_extra_hash_keys(
@@ -212,7 +212,7 @@ def generate_block_hash_extra_keys(
     `generate_block_hash_extra_keys`."""
     mm_keys, new_start_mm_idx = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
     salt = getattr(request, "cache_salt", None)
-    salt_keys = [salt] if (start_token_idx == 0 and salt) else []
+    salt_keys = [("cache_salt", salt)] if (start_token_idx == 0 and salt) else []
     keys = (
         _gen_lora_extra_hash_keys(request)
         + mm_keys

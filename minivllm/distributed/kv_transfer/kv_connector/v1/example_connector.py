@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,15 +129,27 @@ def mm_keyed_token_ids(request: Any) -> list[int]:
 
 
 def connector_salt(request: Any) -> str | None:
-    """The request's `cache_salt`, with its LoRA adapter's name appended when it has one: an adapter changes
-    the KV of every layer it targets, so KV stored for the base model (or another adapter) must not be found
-    for it. None for a request with neither.
+    """What stored KV is salted with besides its tokens: None for a request with neither a `cache_salt` nor
+    a LoRA adapter, else the JSON list `[cache_salt, adapter]`, where `adapter` is the adapter's content
+    (`adapter_fingerprint` of `lora_path`, chapter 30j), not its name. An adapter changes the KV of every
+    layer it targets, and a name is only a label: a new version deployed under the same name, or another
+    server's folder of that name on a shared store, must not find this one's KV. The list keeps the two
+    apart (a salt can never pass for an adapter). An adapter folder that cannot be read gets a salt no
+    other request has (the request then fails at load, storing nothing another could find).
     Source: vLLM v0.15 v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys` (the prefix cache's rule)."""
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return salt
-    return f"{salt or ''}|lora:{lora.lora_name}"
+    if salt is None and lora is None:
+        return None
+    adapter = None
+    if lora is not None:
+        from minivllm.lora.models import adapter_fingerprint
+
+        try:
+            adapter = adapter_fingerprint(lora.lora_path)
+        except (OSError, TypeError, ValueError):
+            adapter = f"unreadable:{uuid.uuid4().hex}"
+    return json.dumps([salt, adapter])
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #6bed6323
 @dataclass

@@ -26,6 +26,7 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from .example_connector import connector_salt
 from ....parallel_state import get_tensor_model_parallel_rank
 from .....v1.core.kv_cache_utils import generate_block_hash_extra_keys, sha256_cbor
 from .....v1.request import RequestStatus
@@ -114,12 +115,14 @@ def _seconds_from_config(kvt: Any, key: str, default: float) -> float:
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #0f10b687
 def prompt_digest(request: Any) -> str:
-    """Hex sha256 (CBOR) of what a request's prompt KV is computed from: its prompt token ids and the extra
+    """Hex sha256 (CBOR) of what a request's prompt KV is computed from: its prompt token ids, the extra
     keys of `generate_block_hash_extra_keys` over the whole prompt (LoRA name, multimodal identifiers,
-    cache salt, prompt-embedding hash). Equal on producer and consumer exactly when both hold the same
-    prompt. Source: minivllm's own (vLLM's NIXL connector trusts the proxy's pairing)."""
+    cache salt, prompt-embedding hash) and `connector_salt` (the LoRA adapter's content, chapter 47c).
+    Equal on producer and consumer exactly when both hold the same prompt.
+    Source: minivllm's own (vLLM's NIXL connector trusts the proxy's pairing)."""
     keys, _ = generate_block_hash_extra_keys(request, 0, request.num_prompt_tokens, 0)
-    return sha256_cbor((tuple(request.prompt_token_ids), keys)).hex()
+    adapter = connector_salt(request)  # the LoRA adapter by content: one name may be two adapters
+    return sha256_cbor((tuple(request.prompt_token_ids), keys, adapter)).hex()
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #c03e2c57
 class P2pZmqConnectorScheduler:
@@ -559,7 +562,7 @@ def _next_timer_ms(self: P2pZmqConnectorWorker) -> int:
     times = [p.retry_at or p.deadline for peer in self._peers.values() for p in peer.pulls.values()]
     return max(0, min(1000, int((min(times, default=time.monotonic() + 1) - time.monotonic()) * 1000) + 1))
 
-
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #b83ff3fc
 @patch
 def _open_peer(self: P2pZmqConnectorWorker, addr: str) -> _Peer:
     sock = self._ctx.socket(zmq.DEALER)
