@@ -540,8 +540,8 @@ class KVOutputAggregator:
     """Merge the `ModelRunnerOutput`s of all ranks into the output rank's: a request id is in
     `finished_sending` / `finished_recving` once `expected_finished_count` ranks reported it (across steps);
     `invalid_block_ids` is the union; KV cache events are those every rank reported (`KVEventAggregator`:
-    each rank stores its own shard of the same blocks); stats are the output rank's. Returns None when the
-    output rank returned None.
+    each rank stores its own shard of the same blocks); `kv_connector_stats` are every rank's, summed by name
+    (`_sum_stats`). Returns None when the output rank returned None.
     Source: vLLM v0.15 distributed/kv_transfer/kv_connector/utils.py `KVOutputAggregator`."""
 
     def __init__(self, expected_finished_count: int):
@@ -568,27 +568,15 @@ class KVOutputAggregator:
             self._count(kv.finished_sending, self._send_remaining, sending)
             self._count(kv.finished_recving, self._recv_remaining, recving)
             invalid |= set(kv.invalid_block_ids or ())
-        own = out.kv_connector_output or KVConnectorOutput()
         merged = copy.copy(out)
         merged.kv_connector_output = KVConnectorOutput(
             finished_sending=sending or None,
             finished_recving=recving or None,
-            kv_connector_stats=own.kv_connector_stats,
+            kv_connector_stats=_sum_stats(kv_outs),
             kv_cache_events=_common_events(kv_outs),
             invalid_block_ids=invalid,
         )
         return merged
-
-
-def _common_events(kv_outs: list[KVConnectorOutput]) -> list | None:
-    "The KV cache events every rank reported this step (each once), or None when no rank reported any."
-    reported = [list(kv.kv_cache_events) for kv in kv_outs if kv.kv_cache_events]
-    if not reported:
-        return None
-    agg = KVEventAggregator(len(kv_outs))
-    for events in reported:
-        agg.add_events(events)
-    return agg.get_common_events() or None
 
 
 def _make_kv_output_aggregator(vllm_config: Any, world_size: int) -> KVOutputAggregator | None:
@@ -603,6 +591,36 @@ def _make_kv_output_aggregator(vllm_config: Any, world_size: int) -> KVOutputAgg
             "earlier stage's connector outputs cannot reach the scheduler; use --tensor-parallel-size instead"
         )
     return KVOutputAggregator(world_size)
+
+# %% ../../../nbs/45c_multiproc_executor.ipynb #cd4f7614
+def _sum_stats(kv_outs: list[KVConnectorOutput]) -> Any:
+    """Every rank's `kv_connector_stats` (dicts of counts by name) in one dict, numbers summed (a value that
+    is no number: the first rank's); None when no rank had any. A rank-sharded count is summed too: 32
+    tokens loaded at TP=2 count 64 (each rank loaded its shard of them), as vLLM's connectors pool every
+    rank's observations. Source: vLLM v0.15 kv_connector/utils.py `KVOutputAggregator.aggregate`,
+    kv_connector/v1/metrics.py `KVConnectorStats.aggregate`."""
+    total: dict | None = None
+    for kv in kv_outs:
+        if not kv.kv_connector_stats:
+            continue
+        if total is None:
+            total = {}
+        for name, value in dict(kv.kv_connector_stats).items():
+            old = total.get(name)
+            summable = isinstance(value, (int, float)) and isinstance(old, (int, float))
+            total[name] = old + value if summable else total.get(name, value)
+    return total
+
+
+def _common_events(kv_outs: list[KVConnectorOutput]) -> list | None:
+    "The KV cache events every rank reported this step (each once), or None when no rank reported any."
+    reported = [list(kv.kv_cache_events) for kv in kv_outs if kv.kv_cache_events]
+    if not reported:
+        return None
+    agg = KVEventAggregator(len(kv_outs))
+    for events in reported:
+        agg.add_events(events)
+    return agg.get_common_events() or None
 
 # %% ../../../nbs/45c_multiproc_executor.ipynb #51970743
 @patch
