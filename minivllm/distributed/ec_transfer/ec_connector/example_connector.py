@@ -59,9 +59,9 @@ class ECExampleConnectorMetadata(ECConnectorMetadata):
 class ECExampleConnector(ECConnectorBase):
     """Encoder outputs stored as `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` (tensor
     `ec_cache`, (num_embeds, hidden), saved on CPU in the model dtype); loaded synchronously onto the
-    runner's device. Config: `ec_connector_extra_config["shared_storage_path"]` (default "local_storage"),
-    `stale_tmp_s` (60, at least 10: older temporary files, a killed writer's, are removed when the scheduler
-    side starts).
+    runner's device, only if stored in this engine's dtype. Config:
+    `ec_connector_extra_config["shared_storage_path"]` (default "local_storage"), `stale_tmp_s` (60, at least
+    10: older temporary files, a killed writer's, are removed when the scheduler side starts).
     An identifier that is not a plain file name (a user's `multi_modal_uuids` may hold anything) is stored
     under the sha256 of it instead.
     Source: vLLM v0.15 distributed/ec_transfer/ec_connector/example_connector.py `ECExampleConnector`."""
@@ -153,6 +153,15 @@ def save_caches(
             os.remove(tmp)
 
 
+# the dtype names a safetensors header uses, for the dtypes an engine runs in
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+}
+
+
 class _DamagedFile(ValueError):
     "A stored file no writer of this connector produced as it is (not a regular file, a bad checksum)."
 
@@ -161,8 +170,9 @@ class _DamagedFile(ValueError):
 def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch.Tensor:
     """`path`'s `ec_cache` tensor. `FileNotFoundError` if it is gone; `_DamagedFile` or `SafetensorError` (a
     header cut short or forged, no `ec_cache`) unless it is a regular file whose checksum matches;
-    `ValueError` if its header's shape is not (`num_token`, hidden), checked before it is read, or if another
-    checkpoint encoded it (`checkpoint_identity` in its metadata)."""
+    `ValueError` if its header's shape is not (`num_token`, hidden) or its dtype not the engine's (a bfloat16
+    engine's output in a float32 one), both checked before it is read, or if another checkpoint encoded it
+    (`checkpoint_identity` in its metadata)."""
     if path.exists() and not path.is_file():  # a FIFO would block the read until someone writes to it
         raise _DamagedFile("not a regular file")
     with safe_open(str(path), "pt") as f:
@@ -170,6 +180,10 @@ def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch
         if len(shape) != 2 or shape[0] != num_token or shape[1] != (self._hidden_size or shape[1]):
             # a planted header may claim gigabytes: never read more than the expected rows
             raise ValueError(f"shape {tuple(shape)}, expected ({num_token}, {self._hidden_size or 'hidden'})")
+        stored = f.get_slice("ec_cache").get_dtype()
+        want = _SAFETENSORS_DTYPES.get(self._dtype, str(self._dtype)) if self._dtype is not None else stored
+        if stored != want:  # cast, it would differ from what this engine's encoder computes
+            raise ValueError(f"dtype {stored}, this engine computes {want}")
         meta = f.metadata() or {}
         tensor = f.get_tensor("ec_cache")
     if meta.get("sha256") != safetensors_digest({"ec_cache": tensor}):
@@ -182,7 +196,7 @@ def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch
 @patch
 def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
     """The tensor of `mm`, or None (with a warning) when its file is missing, damaged (then it is deleted) or
-    of the wrong shape for this model (left for the model it fits)."""
+    of the wrong shape, dtype or checkpoint for this engine (left for the engine it fits)."""
     path = self._generate_filename_debug(mm.mm_hash)
     try:
         tensor = self._read_checked(path, mm.num_token)
@@ -195,7 +209,7 @@ def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
         if damaged:  # it would be found, and fail, for every later request: remove it
             _remove_entry(path)
         return None
-    return tensor.to(self._device, dtype=self._dtype or tensor.dtype)
+    return tensor.to(self._device)  # already in the engine's dtype (checked)
 
 
 def _remove_entry(path: Path) -> None:
