@@ -222,9 +222,9 @@ class LMCacheConnectorV1Worker:
         self.kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self.kv_caches)}
         first = next(iter(self.kv_caches.values()))
-        _, _, _, num_kv_heads, head_size = first.shape
         dtype = str(first.dtype).removeprefix("torch.")
-        shape = (len(self.kv_caches), 2, num_kv_heads, head_size)
+        shape = (len(self.kv_caches), 2, *first.shape[3:])  # (layers, K/V, kv heads, head size)
+        self.storage.set_chunk_layout(shape, dtype)  # the slow tiers read no entry larger than one chunk
         self.metadata = LMCacheEngineMetadata(self.model_name, self.world_size, self.worker_id, dtype, shape)
         if self.lookup_server is None:
             self.lookup_server = LMCacheLookupServer(self.storage, self.metadata, self.lookup_path)

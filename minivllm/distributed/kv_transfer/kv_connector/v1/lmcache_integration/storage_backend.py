@@ -33,8 +33,8 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'KV_DTYPES', 'serialize_kv', 'deserialize_kv', 'LocalCPUBackend', 'LocalDiskBackend', 'RemoteBackend',
-           'StorageManager']
+__all__ = ['logger', 'KV_DTYPES', 'serialize_kv', 'deserialize_kv', 'max_chunk_bytes', 'LocalCPUBackend', 'LocalDiskBackend',
+           'RemoteBackend', 'StorageManager']
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #e90d8a17
 _MAGIC = b"MVLMC1"
@@ -103,6 +103,16 @@ def deserialize_kv(blob: bytes) -> torch.Tensor:
     if hashlib.sha256(payload).hexdigest() != digest:
         raise ValueError("KV chunk checksum mismatch")
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #8d676bc4
+def max_chunk_bytes(chunk_size: int, kv_shape: tuple[int, ...], kv_dtype: str) -> int:
+    """The most bytes `serialize_kv` makes of one chunk: `chunk_size` tokens, each of `kv_shape` =
+    (num_layers, 2, num_kv_heads, head_size) in `kv_dtype` (a `KV_DTYPES` name; `KeyError` otherwise), framed
+    with the longest header `deserialize_kv` accepts. No valid entry of that layout is larger.
+    Source: minivllm's own."""
+    num_layers, kv, num_kv_heads, head_size = kv_shape
+    payload = num_layers * kv * chunk_size * num_kv_heads * head_size * KV_DTYPES[kv_dtype].itemsize
+    return len(_MAGIC) + 4 + _MAX_HEADER_BYTES + payload
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #4d8eebe8
 class LocalCPUBackend:
@@ -175,7 +185,9 @@ class LocalDiskBackend:
     (eviction deletes files; the order is rebuilt from mtimes on start). A corrupted, forged or truncated file
     is a miss: deleted and counted in `num_errors`. A failed write (`OSError`, e.g. ENOSPC) removes its
     temporary, is counted and returns False; `tmp*.tmp` files older than `stale_tmp_s` seconds are swept on
-    start and after a failed write. A folder that cannot be searched is a miss (see `contains`).
+    start and after a failed write. A folder that cannot be searched is a miss (see `contains`); one removed
+    under a running tier is made again by the next write (see `_recreate_folder`). No file larger than
+    `max_chunk_bytes` (the tier's size until `StorageManager.set_chunk_layout` sets one chunk's) is read.
     Source: LMCache lmcache/v1/storage_backend/local_disk_backend.py `LocalDiskBackend`."""
 
     name = "LocalDiskBackend"
@@ -184,11 +196,13 @@ class LocalDiskBackend:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
+        self.max_chunk_bytes = self.max_bytes  # the most one file may hold; set_chunk_layout lowers it
         self.stale_tmp_s = float(stale_tmp_s)
         self.num_evictions = 0
         self.num_errors = 0
         self.num_stale_tmp_removed = 0
         self._unsearchable = False  # the folder refused a lookup (logged once)
+        self._folder_lost = False  # the folder vanished and could not be made again (logged once)
         self._lock = threading.Lock()
         self._sweep_stale_tmp()
         self._index: OrderedDict[str, int] = _scan_chunks(self.path)
@@ -220,9 +234,13 @@ class LocalDiskBackend:
             st = os.fstat(fh.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError("not a regular file")
-            if st.st_size > self.max_bytes:  # never read a file the tier could not have written
-                raise ValueError(f"{st.st_size} bytes is more than the tier holds")
-            return fh.read()
+            limit = min(self.max_bytes, self.max_chunk_bytes)
+            if st.st_size > limit:  # checked before reading: no file the tier could not have written is read
+                raise ValueError(f"{st.st_size} bytes is more than one chunk can be ({limit})")
+            blob = fh.read(limit + 1)  # a file that grows meanwhile is still read no further than the bound
+            if len(blob) > limit:
+                raise ValueError(f"it grew past one chunk's {limit} bytes while being read")
+            return blob
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #828b2b2f
 @patch
@@ -263,14 +281,12 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
         return False
     f = self._file(key)
     try:
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix="tmp", suffix=".tmp")
         try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(blob)
-            os.replace(tmp, f)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            self._write(f, blob)
+        except (FileNotFoundError, NotADirectoryError):  # the folder was removed under us: made again, once
+            if not self._recreate_folder():
+                return False
+            self._write(f, blob)
     except OSError as e:  # ENOSPC, EDQUOT, EIO, a directory removed under us: a failed write, not a crash
         self.num_errors += 1
         logger.warning("LocalDiskBackend: writing %s failed (%s); the chunk is not on disk", f.name, e)
@@ -311,14 +327,55 @@ def _sweep_stale_tmp(self: LocalDiskBackend) -> int:
     self.num_stale_tmp_removed += n
     return n
 
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #30b5d418
+@patch
+def _write(self: LocalDiskBackend, f: Path, blob: bytes) -> None:
+    "`blob` as `f`: written to a temporary in the folder, renamed over `f` (no reader sees half a file)."
+    fd, tmp = tempfile.mkstemp(dir=self.path, prefix="tmp", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(blob)
+        os.replace(tmp, f)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@patch
+def _recreate_folder(self: LocalDiskBackend) -> bool:
+    """Make the tier's folder again after it vanished; True if it is there now (the index rebuilt from it).
+    Counted in `num_errors` and logged; if it cannot be made, False, counted each time and logged once until
+    it can."""
+    if not self.path.is_dir():
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.num_errors += 1
+            if not self._folder_lost:
+                self._folder_lost = True
+                logger.warning(
+                    "LocalDiskBackend: %s was removed and cannot be made again (%s); no chunk is written "
+                    "to disk until it can", self.path, e,
+                )  # fmt: skip
+            return False
+        self.num_errors += 1  # its chunks are lost: a fault /metrics shows, like a failed write
+        logger.warning("LocalDiskBackend: %s was removed while in use; made it again", self.path)
+    self._folder_lost = False
+    index = _scan_chunks(self.path)
+    with self._lock:
+        self._index, self.used_bytes = index, sum(index.values())
+    return True
+
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b1145b44
 class RemoteBackend:
     """Chunks in Redis at `url` (redis://[[user]:password@]host:port) under "lmcache:<key>". A connection
     error or timeout (`timeout_s` to connect and per command, no retries) marks the server down: counted in
     `num_errors` and `num_outages`, logged once, and every call is a miss without touching the network until
     a background probe (a PING every `backoff_s`) is answered, which is logged once more. An invalid value
-    (see `deserialize_kv`) or a key of another Redis type is a counted miss and is deleted. Nothing raises
-    (`put` returns False on failure). Logs show the URL without its password.
+    (see `deserialize_kv`), one longer than `max_chunk_bytes` (never read past that bound) or a key of another
+    Redis type is a counted miss and is deleted. A server refusing the connection's setup (`SELECT` of a
+    database it lacks) is down like a stopped one. Nothing raises (`put` returns False on failure). Logs show
+    the URL without its password.
     Source: LMCache lmcache/v1/storage_backend/remote_backend.py `RemoteBackend` (Redis connector)."""
 
     name = "RemoteBackend"
@@ -330,6 +387,7 @@ class RemoteBackend:
 
         self.url = redact_url(url)
         self.backoff_s = backoff_s
+        self.max_chunk_bytes = 512 << 20  # Redis's largest string; StorageManager.set_chunk_layout lowers it
         self.num_errors = 0
         self.num_outages = 0
         self._down = threading.Event()  # set from the first failure until the probe is answered
@@ -339,9 +397,17 @@ class RemoteBackend:
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         # the server answered, with an error (WRONGTYPE, ...): it is up
         self._server_errors = redis.exceptions.RedisError
+
+        def handshake(conn: Any) -> None:  # an error answering the setup is the server refusing us: down
+            try:
+                conn.on_connect()
+            except redis.exceptions.ResponseError as e:  # "DB index is out of range" for redis://h/99
+                raise redis.exceptions.ConnectionError(f"the server refused the connection: {e}") from e
+
         self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+            redis_connect_func=handshake,
+        )  # fmt: skip
 
     @staticmethod
     def _name(key: CacheEngineKey) -> str:
@@ -421,11 +487,21 @@ def contains_many(self: RemoteBackend, keys: list[CacheEngineKey]) -> list[bool]
 
 @patch
 def get(self: RemoteBackend, key: CacheEngineKey) -> torch.Tensor | None:
+    "The chunk at `key`, or None; never more than `max_chunk_bytes` + 1 bytes of a value are read."
     name = self._name(key)
-    blob = self._call(self._client.get, name, invalid=name)
-    if blob is None:
+
+    def read() -> list:  # one round trip, atomic: whether it is there, its length, its first bytes
+        pipe = self._client.pipeline(transaction=True)
+        pipe.exists(name).strlen(name).getrange(name, 0, self.max_chunk_bytes)
+        return pipe.execute()
+
+    found = self._call(read, invalid=name)
+    if not found or not found[0]:
         return None
+    size, blob = found[1], found[2]
     try:
+        if size > self.max_chunk_bytes:
+            raise ValueError(f"{size} bytes is more than one chunk can be ({self.max_chunk_bytes})")
         return deserialize_kv(blob)
     except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
         logger.warning(
@@ -465,15 +541,23 @@ class StorageManager:
     None; `contains(key)`: the tier name holding it or None; `prefix_lookup(keys)`: leading keys present;
     `remove(key)` / `discard(key, reason)`: delete from every tier (discard: a chunk its reader found invalid,
     counted in `num_invalid`); `flush()`: wait for queued writes; `stats()`: hits per tier, misses, errors
-    (invalid chunks included), evictions; `new_errors()`: errors since its last call.
+    (invalid chunks included), evictions; `new_errors()`: errors since its last call; `set_chunk_layout`:
+    bound the slow tiers' reads to one chunk. `ValueError` naming `local_disk` if its folder cannot be made.
     Source: LMCache lmcache/v1/storage_backend/storage_manager.py `StorageManager`."""
 
     def __init__(self, config: LMCacheEngineConfig):
         self.tiers: list[Any] = []
+        self.chunk_size = config.chunk_size
         if config.local_cpu:
             self.tiers.append(LocalCPUBackend(int(config.max_local_cpu_size * _GB)))
         if config.local_disk_path is not None:
-            self.tiers.append(LocalDiskBackend(config.local_disk_path, int(config.max_local_disk_size * _GB)))
+            try:
+                disk = LocalDiskBackend(config.local_disk_path, int(config.max_local_disk_size * _GB))
+            except OSError as e:  # a file at that path, a read-only parent: name the setting
+                raise ValueError(
+                    f"local_disk {str(config.local_disk_path)!r} cannot hold the disk tier ({e})"
+                ) from e
+            self.tiers.append(disk)
         if config.remote_url:
             self.tiers.append(RemoteBackend(config.remote_url, config.remote_timeout_s))
         self.hits = {t.name: 0 for t in self.tiers}
@@ -503,6 +587,18 @@ class StorageManager:
             with self._lock:
                 self._pending[key] = kv
             self._queue.put((key, kv, tiers))
+
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b0ae77a2
+@patch
+def set_chunk_layout(self: StorageManager, kv_shape: tuple[int, ...], kv_dtype: str) -> int:
+    """Bound the slow tiers' reads to `max_chunk_bytes(chunk_size, kv_shape, kv_dtype)` (`kv_shape` of one
+    token: (num_layers, 2, num_kv_heads, head_size)); returns the bound. Source: minivllm's own."""
+    known = kv_dtype if kv_dtype in KV_DTYPES else "float32"  # no such chunk is stored: the widest dtype's
+    limit = max_chunk_bytes(self.chunk_size, kv_shape, known)
+    for t in self.tiers:
+        if hasattr(t, "max_chunk_bytes"):
+            t.max_chunk_bytes = limit
+    return limit
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #ec412d1e
 @patch

@@ -25,8 +25,9 @@ __all__ = ['LMCACHE_NONE_HASH', 'LMCacheEngineConfig', 'redact_url', 'lmcache_co
 @dataclass
 class LMCacheEngineConfig:
     """Settings of the LMCache-style store. `chunk_size`: tokens per stored chunk (a multiple of the engine's
-    block size); `local_cpu` / `max_local_cpu_size` (GB): the in-memory tier; `local_disk` (path or
-    file:// URL, None = off) / `max_local_disk_size` (GB); `remote_url` (redis://host:port, None = off);
+    block size); `local_cpu` / `max_local_cpu_size` (GB): the in-memory tier; `local_disk` (folder path or
+    file:///absolute/path URL, None = off) / `max_local_disk_size` (GB); `remote_url`
+    (redis://host:port[/db], None = off);
     `save_unfull_chunk`: also store the prompt's last, shorter chunk (cut to whole blocks);
     `remote_timeout_s`: socket timeout of the remote client (connect and each command; a stalled server is a
     miss after it); `use_layerwise`: load and save layer by layer on
@@ -56,7 +57,8 @@ class LMCacheEngineConfig:
     def validate(self, block_size: int | None = None) -> LMCacheEngineConfig:
         """`self` if every field is usable, else `ValueError` naming the first bad field and its range: every
         number is finite and in `_LIMITS` (a size is > 0 where its tier is on), `chunk_size` an int that is a
-        multiple of `block_size` (tokens), `remote_url` a redis:// URL. Source: minivllm's own."""
+        multiple of `block_size` (tokens), `local_disk` a folder (`_check_local_disk`), `remote_url` a Redis
+        URL (`_check_remote_url`). Source: minivllm's own."""
         for name, (low, high, low_open, unit) in _LIMITS.items():
             _check_number(name, getattr(self, name), low, high, low_open, unit)
         if block_size is not None and self.chunk_size % block_size:
@@ -71,8 +73,10 @@ class LMCacheEngineConfig:
             raise ValueError(
                 f"max_local_disk_size must be > 0 GB with local_disk; got {self.max_local_disk_size}"
             )
-        if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"remote_url must be redis://host:port; got {redact_url(self.remote_url)!r}")
+        if self.local_disk:
+            _check_local_disk(self.local_disk)
+        if self.remote_url:
+            _check_remote_url(self.remote_url)
         return self
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #9c4e1a73
@@ -80,7 +84,7 @@ _LIMITS: dict[str, tuple[float, float, bool, str]] = {  # field: (low, high, low
     "chunk_size": (1, 1 << 20, False, "tokens"),
     "max_local_cpu_size": (0.0, 65536.0, False, "GB"),
     "max_local_disk_size": (0.0, 65536.0, False, "GB"),
-    "remote_timeout_s": (0.0, 3600.0, True, "seconds"),
+    "remote_timeout_s": (0.001, 3600.0, False, "seconds"),  # below 1 ms every call times out
     "blocking_timeout_secs": (0.0, 3600.0, True, "seconds"),
 }
 
@@ -104,6 +108,39 @@ def redact_url(url: str) -> str:
         return url
     host = parts.netloc.rpartition("@")[2]
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+# %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #54754c18
+def _check_local_disk(value: str) -> None:
+    """`ValueError` naming `local_disk` unless `value` is a folder path or a file:///absolute/path URL that
+    names a folder or nothing yet (the tier creates it). Source: minivllm's own."""
+    if (value.startswith("file:") and not value.startswith("file:///")) or (
+        "://" in value and not value.startswith("file://")
+    ):
+        raise ValueError(f"local_disk must be a folder path or a file:///absolute/path URL; got {value!r}")
+    path = Path(value.removeprefix("file://"))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"local_disk {str(path)!r} is not a folder; name a folder (created if missing)")
+
+
+_REDIS_URL = "redis://[[user]:password@]host[:port][/db] (or rediss://)"
+
+
+def _check_remote_url(url: str) -> None:
+    """`ValueError` naming `remote_url` (its password redacted) unless `url` is a `_REDIS_URL` whose port is
+    in [1, 65535] and whose database (the path, or `?db=`) is an int >= 0. Source: minivllm's own."""
+    shown = redact_url(url)
+    if not url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"remote_url must be {_REDIS_URL}; got {shown!r}")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port  # ValueError for a word or a number past 65535
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"remote_url's port must be an int in [1, 65535]; got {shown!r}")
+    for db in (parts.path.strip("/"), *urllib.parse.parse_qs(parts.query).get("db", [])):
+        if db and not (db.isascii() and db.isdigit()):
+            raise ValueError(f"remote_url's database (/db or ?db=) must be an int >= 0; got {shown!r}")
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #7614102d
 _TRUE = ("1", "true", "yes", "on")
@@ -140,18 +177,30 @@ _ENV_PREFIX = "LMCACHE_"
 
 def _from_mapping(cfg: LMCacheEngineConfig, values: dict[str, Any], where: str) -> LMCacheEngineConfig:
     names = {f.name for f in fields(LMCacheEngineConfig)}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(str(k) for k in values if k not in names)  # YAML keys may be ints
     if unknown:
         raise ValueError(f"{where}: unknown LMCache settings {unknown}; known: {sorted(names)}")
     return dataclasses.replace(cfg, **{k: _coerce(k, v) for k, v in values.items()})
 
 
 def lmcache_config_from_file(path: str | os.PathLike) -> LMCacheEngineConfig:
-    "An `LMCacheEngineConfig` from a YAML file (defaults for absent keys); `ValueError` for unknown keys."
+    """An `LMCacheEngineConfig` from a YAML mapping of settings (defaults for absent keys); `ValueError`
+    naming `LMCACHE_CONFIG_FILE` and the file if it cannot be read or parsed, is no mapping,
+    or has unknown keys."""
     import yaml  # the `lmcache` extra
 
-    values = yaml.safe_load(Path(path).read_text()) or {}
-    return _from_mapping(LMCacheEngineConfig(), values, str(path))
+    where = f"LMCACHE_CONFIG_FILE {str(path)!r}"
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except (OSError, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{where}: cannot be read as YAML ({e})") from None
+    if values is None:  # an empty file: the defaults
+        values = {}
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"{where} must be a YAML mapping of settings (chunk_size: 256, ...); got {type(values).__name__}"
+        )
+    return _from_mapping(LMCacheEngineConfig(), values, where)
 
 
 def lmcache_config_from_env(environ: dict[str, str] | None = None) -> LMCacheEngineConfig:
