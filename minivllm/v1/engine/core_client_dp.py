@@ -119,9 +119,10 @@ async def _forward_outputs(self: DPLBAsyncMPClient, index: int) -> None:
     while True:
         try:
             outputs = await client.get_output_async()
-        except BaseException as e:  # EngineDeadError, or the task's own cancellation
-            if not isinstance(e, asyncio.CancelledError):
-                self.outputs_queue.put_nowait(e)
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled, or closed with its (closed) loop
+            return
+        except BaseException as e:  # EngineDeadError: the front end's next get_output_async raises it
+            self.outputs_queue.put_nowait(e)
             return
         outputs.engine_index = index
         for out in outputs.outputs:
