@@ -93,7 +93,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # a KV connector's per-request parameters travel in SamplingParams.extra_args, as in vLLM
         extra = sampling_params.extra_args if sampling_params is not None else None
-        self.kv_transfer_params: dict | None = (extra or {}).get("kv_transfer_params")
+        params = (extra or {}).get("kv_transfer_params")
+        # its own copy: the connector marks it (do_remote_prefill: False once pulled), and the n children of
+        # one request share one SamplingParams in process (over the engine-core socket each has its own)
+        self.kv_transfer_params: dict | None = dict(params) if isinstance(params, dict) else params
         so_params = sampling_params.structured_outputs if sampling_params is not None else None
         # a grammar to compile first: the scheduler skips the request until it is ready (WAITING_FOR_FSM)
         self.structured_output_request = StructuredOutputRequest(so_params) if so_params is not None else None

@@ -5,6 +5,7 @@
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #bd83eddf
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -13,6 +14,7 @@ import socket
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +195,13 @@ def _allowed_producers(kvt: Any) -> frozenset[str] | None:
             raise ValueError(error)
     return frozenset(raw)
 
+
+@patch
+def _may_pull_from(self: P2pZmqConnectorScheduler, params: dict) -> bool:
+    "Whether this engine may pull from the producer well-formed `params` name (its `allowed_producers`)."
+    producer = f"{params.get('remote_host', '127.0.0.1')}:{params['remote_port']}"
+    return self.allowed_producers is None or producer in self.allowed_producers
+
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #fd07ac75
 @patch
 def get_num_new_matched_tokens(
@@ -209,8 +218,8 @@ def get_num_new_matched_tokens(
         )
         params["do_remote_prefill"] = False
         return 0, False
-    producer = f"{params.get('remote_host', '127.0.0.1')}:{params['remote_port']}"
-    if self.allowed_producers is not None and producer not in self.allowed_producers:
+    if not self._may_pull_from(params):
+        producer = f"{params.get('remote_host', '127.0.0.1')}:{params['remote_port']}"
         logger.warning(
             "P2pZmqConnector: request %s names producer %s, which is not in allowed_producers; computing it "
             "locally (its KV would be cached for every later request with this prompt)",
@@ -244,8 +253,12 @@ def request_finished(
     if request.request_id in self._recving:  # a pull still writes into these blocks: the worker drops it
         self._reqs_to_cancel.add(request.request_id)  # and reports it received, which frees them
         return True, None
-    self._reqs_to_recv.pop(request.request_id, None)
+    queued = self._reqs_to_recv.pop(request.request_id, None)
     params = request.kv_transfer_params
+    if queued is not None:  # never handed to the worker: nothing is written, the producer still hears DONE
+        self._reqs_to_recv[request.request_id] = dataclasses.replace(queued, local_block_ids=[])
+    elif isinstance(params, dict) and params.get("do_remote_prefill") is True:
+        self._release_unpulled(request)
     if not isinstance(params, dict) or params.get("do_remote_decode") is not True:  # "false" is no true
         return False, None
     if not self.is_producer:  # nobody here would serve the blocks: never hold them
@@ -270,10 +283,26 @@ def request_finished(
         "tp_size": self.tp_size,  # rank r serves on remote_port + r
     }
 
+
+@patch
+def _release_unpulled(self: P2pZmqConnectorScheduler, request: Any) -> None:
+    """`request` finished before its pull was scheduled (aborted while queued, refused, ...): queue a pull
+    with no local blocks, so that its worker only tells the producer (each of its ranks) `DONE`; nothing
+    for a producer this engine may not reach. Source: vLLM v0.15 nixl_connector.py
+    `NixlConnectorScheduler.request_finished` (a finished request with `do_remote_prefill` still set)."""
+    params = request.kv_transfer_params
+    params["do_remote_prefill"] = False
+    if not _valid_remote_params(params) or not self._may_pull_from(params):
+        return
+    remote_tp_size = params.get("tp_size", self.tp_size)
+    self._queue_recv(request, [], 0, remote_tp_size if remote_tp_size != self.tp_size else 0)
+
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #906c3a43
 @dataclass
 class _Pull:
-    "One request's pull: READ sent (phase 'read'), or DONE sent after it ended (phase 'done', waits for ACK)."
+    """One READ of a producer request: sent (phase 'read'), or DONE sent after it ended (phase 'done', waits
+    for the ACK). `readers`: the consumer requests its answer fills, each with its local block ids (`req_id`'s
+    first; the siblings of an n > 1 request join it)."""
 
     req_id: str  # the consumer's request id, sent as the `tag`
     recv: RecvReqMeta
@@ -281,6 +310,10 @@ class _Pull:
     deadline: float  # time.monotonic()
     phase: str = "read"
     retry_at: float | None = None
+    readers: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.readers = self.readers or {self.req_id: list(self.recv.local_block_ids)}
 
 
 @dataclass
@@ -313,6 +346,8 @@ class P2pZmqConnectorWorker:
         self._stats: dict[str, int] = {}  # failed pulls, refused answers, expired sends: since the last read
         self._lock = threading.Lock()
         self._to_send: dict[str, tuple[list[int], float, str]] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()  # the last ids freed: a READ of one is refused
+        self._served: dict[str, set[bytes]] = {}  # a held request -> the connections already sent its KV
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._invalid: set[int] = set()
@@ -331,6 +366,8 @@ class P2pZmqConnectorWorker:
     def start_load_kv(self, meta: P2pZmqConnectorMetadata) -> None:
         with self._lock:
             self._to_send.update(meta.reqs_to_send)
+            for rid in meta.reqs_to_send:  # an id its engine registers again is served again
+                self._released.pop(rid, None)
         if not meta.reqs_to_recv and not meta.reqs_to_cancel:
             return
         if self._puller is None or not self._puller.is_alive():  # the last guard: replace a dead thread
@@ -398,8 +435,7 @@ def get_finished(self: P2pZmqConnectorWorker) -> tuple[set[str] | None, set[str]
     with self._lock:
         for rid in [r for r, (_, deadline, _) in self._to_send.items() if deadline < now]:
             logger.warning("P2pZmqConnector: request %s was never pulled; freeing its blocks", rid)
-            del self._to_send[rid]
-            self._finished_sending.add(rid)
+            self._release(rid)
             self._stats["p2p_expired_reqs"] = self._stats.get("p2p_expired_reqs", 0) + 1
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
@@ -456,7 +492,7 @@ def _serve(self: P2pZmqConnectorWorker, sock: Any) -> None:
                 msg = json.loads(body)
                 if not isinstance(msg, dict):
                     raise TypeError(f"a message is a JSON object, not {type(msg).__name__}")
-                reply = self._answer(kind, msg)
+                reply = self._answer(kind, msg, ident)
             except Exception as e:  # a malformed message gets an ERROR; the server keeps serving
                 tag = msg.get("tag") if isinstance(msg, dict) else None  # so its pull fails now, not later
                 reply = _reply(b"ERROR", tag, error=f"malformed request: {type(e).__name__}: {e}")
@@ -472,9 +508,42 @@ def _reply(kind: bytes, tag: Any, *frames: Any, **header: Any) -> list:
     "An answer: its kind, a JSON header that echoes the request's `tag`, then any data frames."
     return [kind, json.dumps({"tag": tag if isinstance(tag, str) else None, **header}).encode(), *frames]
 
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #9b46e8a8
+_MAX_RELEASED = 1 << 14  # freed request ids a producer remembers (a READ of one is refused at once)
+_MAX_READERS = 8  # connections one held request's KV is sent to (once each)
+
 
 @patch
-def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
+def _release(self: P2pZmqConnectorWorker, rid: str) -> None:
+    "With `_lock` held: stop serving `rid`, report it in `finished_sending` and remember it was freed."
+    del self._to_send[rid]
+    self._finished_sending.add(rid)
+    self._served.pop(rid, None)
+    self._released[rid] = None
+    self._released.move_to_end(rid)
+    while len(self._released) > _MAX_RELEASED:
+        self._released.popitem(last=False)
+
+
+@patch
+def _refuse_reader(self: P2pZmqConnectorWorker, rid: str, ident: bytes) -> str | None:
+    """Why connection `ident` may not be sent `rid`'s blocks (it was already, or `_MAX_READERS` others were),
+    or None, and then it is counted as served. Source: minivllm's own."""
+    with self._lock:
+        if rid not in self._to_send:  # freed meanwhile (its deadline passed)
+            return f"request {rid} was released: nothing held"
+        readers = self._served.setdefault(rid, set())
+        if ident in readers or len(readers) >= _MAX_READERS:
+            self._stats["p2p_refused_reads"] = self._stats.get("p2p_refused_reads", 0) + 1
+            why = "this connection read it" if ident in readers else f"{_MAX_READERS} connections read it"
+            return f"request {rid} is served once per connection and {why}"
+        readers.add(ident)
+    return None
+
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2279bd1b
+@patch
+def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict, ident: bytes = b"") -> list:
+    "The reply to a READ or DONE from connection `ident` (see above); never raises for a well-formed `msg`."
     rid, tag = msg.get("req_id"), msg.get("tag")
     if kind not in (b"READ", b"DONE"):  # it was served as a READ
         error = f"unknown message kind {kind[:16].decode(errors='replace')!r}; expected READ or DONE"
@@ -489,9 +558,9 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
             return _reply(b"ERROR", tag, error=error)
         if kind == b"DONE":
             if entry is not None:
-                del self._to_send[rid]
-                self._finished_sending.add(rid)
+                self._release(rid)
             return _reply(b"ACK", tag)
+        released = entry is None and isinstance(rid, str) and rid in self._released
     if entry is None:
         engine = msg.get("engine_id")
         if isinstance(engine, str) and engine and engine != self.engine_id:  # a restarted producer: never
@@ -499,6 +568,11 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
                 f"this is engine {self.engine_id}, not {engine[:64]!r} (restarted?): it holds nothing for it"
             )
             return _reply(b"ERROR", tag, error=error)  # the pull fails now, not after transfer_timeout_s
+        if released:  # pulled already (or expired): RETRY would hold the consumer for transfer_timeout_s
+            self._count("p2p_refused_reads")
+            return _reply(
+                b"ERROR", tag, error=f"request {rid} was released (pulled, or expired): nothing held"
+            )
         return _reply(b"RETRY", tag)
     ids = msg.get("block_ids", [])
     if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
@@ -508,6 +582,9 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict) -> list:
     held = set(entry[0])
     if not set(ids) <= held:
         return _reply(b"ERROR", tag, error=f"blocks {sorted(set(ids) - held)} are not held for request {rid}")
+    refusal = self._refuse_reader(rid, ident)
+    if refusal is not None:
+        return _reply(b"ERROR", tag, error=refusal)
     index = torch.tensor(ids, dtype=torch.long)
     # device to host first: .numpy() refuses a CUDA tensor (a no-op copy on a CPU cache)
     frames = [cache[:, index.to(cache.device)].to("cpu").contiguous() for cache in self.kv_caches.values()]
@@ -623,11 +700,32 @@ def _start_pull(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) -> 
     except zmq.ZMQError as e:
         self._report(pull, 0, f"cannot connect to {addr}: {e}")
         return
+    reading = _reading(peer, recv)
+    if reading is not None and (
+        not n or (n == reading.n and recv.remote_block_ids[:n] == reading.recv.remote_block_ids[:n])
+    ):
+        if n:  # a sibling of a request already reading these blocks: that answer fills its blocks too
+            reading.readers[req_id] = list(recv.local_block_ids)
+        else:  # nothing to read; the pull in flight says DONE when it ends (a DONE now would free its blocks)
+            self._report(pull, 0, None if not recv.local_block_ids else "the producer holds no blocks")
+        return
     peer.pulls[req_id] = pull
     if n:
         self._send(peer, pull, b"READ", block_ids=recv.remote_block_ids[:n])
     else:
         self._finish(peer, pull, 0, None if not recv.local_block_ids else "the producer holds no blocks")
+
+
+def _reading(peer: _Peer, recv: RecvReqMeta) -> _Pull | None:
+    "The pull on `peer` still reading the producer request `recv` names (for the same prompt), or None."
+    key = (recv.remote_request_id, recv.remote_engine_id, recv.digest)
+    for pull in peer.pulls.values():
+        if (
+            pull.phase == "read"
+            and (pull.recv.remote_request_id, pull.recv.remote_engine_id, pull.recv.digest) == key
+        ):
+            return pull
+    return None
 
 
 @patch
@@ -663,19 +761,20 @@ def _send(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull, kind: bytes, **
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #512103aa
 @patch
 def _report(self: P2pZmqConnectorWorker, pull: _Pull, written: int, why: str | None) -> None:
-    "Tell the engine the pull ended: blocks beyond the first `written` did not arrive (invalid)."
+    "Tell the engine the pull ended for each reader: blocks past its first `written` never came (invalid)."
     recv = pull.recv
-    missing = recv.local_block_ids[written:]
-    if missing and why is not None:
-        self._count("p2p_failed_transfers")
-        logger.warning(
-            "P2pZmqConnector: pulling %s from %s:%s failed (%d of %d blocks): %s",
-            pull.req_id, recv.remote_host, recv.remote_port + self.tp_rank,  # this rank's producer port
-            len(missing), len(recv.local_block_ids), why,
-        )  # fmt: skip
-    with self._lock:
-        self._invalid.update(missing)
-        self._finished_recving.add(pull.req_id)
+    for req_id, local_ids in pull.readers.items():
+        missing = local_ids[written:]
+        if missing and why is not None:
+            self._count("p2p_failed_transfers")
+            logger.warning(
+                "P2pZmqConnector: pulling %s from %s:%s failed (%d of %d blocks): %s",
+                req_id, recv.remote_host, recv.remote_port + self.tp_rank,  # this rank's producer port
+                len(missing), len(local_ids), why,
+            )  # fmt: skip
+        with self._lock:
+            self._invalid.update(missing)
+            self._finished_recving.add(req_id)
 
 
 @patch
@@ -697,15 +796,17 @@ def _say_done(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull) -> None:
 @patch
 def _cancel(self: P2pZmqConnectorWorker, req_id: str) -> None:
     """The engine aborted `req_id` while its pull reads: report it received (the scheduler then frees the
-    aborted request's blocks; none is marked invalid, no failure is counted) and say DONE. Nothing if the
-    pull already ended (it was reported then). Source: minivllm's own."""
+    aborted request's blocks; none is marked invalid, no failure is counted) and, once no sibling reads with
+    it, say DONE. Nothing if the pull already ended (it was reported then). Source: minivllm's own."""
     for peer in self._peers.values():
-        pull = peer.pulls.get(req_id)
-        if pull is not None and pull.phase == "read":
-            with self._lock:
-                self._finished_recving.add(req_id)
-            self._say_done(peer, pull)
-            return
+        for pull in peer.pulls.values():
+            if pull.phase == "read" and req_id in pull.readers:
+                del pull.readers[req_id]  # the answer writes nothing into its blocks any more
+                with self._lock:
+                    self._finished_recving.add(req_id)
+                if not pull.readers:
+                    self._say_done(peer, pull)
+                return
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #da4444ad
 @patch
@@ -774,9 +875,8 @@ def _on_reply(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
             except Exception as e:  # a peer's answer is untrusted: a bad one is a failed pull
                 self._count("p2p_bad_answers")
                 self._finish(peer, pull, 0, f"bad answer: {type(e).__name__}: {e}")
-            else:
-                short = "the producer holds fewer blocks than needed"
-                self._finish(peer, pull, pull.n, short if pull.n < len(pull.recv.local_block_ids) else None)
+            else:  # a reader with more local blocks than the producer sent recomputes the rest
+                self._finish(peer, pull, pull.n, "the producer holds fewer blocks than needed")
         else:
             self._finish(peer, pull, 0, f"refused: {head.get('error')}")
 
@@ -798,20 +898,21 @@ def _write_blocks(self: P2pZmqConnectorWorker, head: Any, frames: list, pull: _P
         raise ValueError("the producer's attention layers differ from ours")
     if len(frames) != len(self.kv_caches):
         raise ValueError(f"{len(frames)} frames for {len(self.kv_caches)} layers")
-    local_ids = pull.recv.local_block_ids[: pull.n]
+    n = pull.n
     for frame, cache in zip(frames, self.kv_caches.values()):
-        expected = [cache.shape[0], len(local_ids), *cache.shape[2:]]
+        expected = [cache.shape[0], n, *cache.shape[2:]]
         if head.get("shape") != expected or head.get("dtype") != str(cache.dtype):
             raise ValueError(f"layout {head.get('shape')} {head.get('dtype')} != {expected} {cache.dtype}")
         if len(frame.buffer) != math.prod(expected) * cache.element_size():
             raise ValueError(f"a frame of {len(frame.buffer)} bytes for {expected} {cache.dtype}")
-    index = torch.tensor(local_ids, dtype=torch.long)
+    indices = [torch.tensor(ids[:n], dtype=torch.long) for ids in pull.readers.values()]  # each reader's
     for frame, cache in zip(frames, self.kv_caches.values()):
         with warnings.catch_warnings():  # the frame is read-only; it is copied into the cache at once
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-        shaped = blocks.view(cache.dtype).view(cache.shape[0], len(local_ids), *cache.shape[2:])
-        cache[:, index.to(cache.device)] = shaped.to(cache.device)
+        shaped = blocks.view(cache.dtype).view(cache.shape[0], n, *cache.shape[2:]).to(cache.device)
+        for index in indices:
+            cache[:, index.to(cache.device)] = shaped
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #a13d6ae1
 class P2pZmqConnector(KVConnectorBase_V1):
