@@ -24,6 +24,7 @@ vLLM v0.15 entrypoints/openai/protocol.py `ErrorResponse`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -33,6 +34,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector import release_remote_blocks
 
 logger = logging.getLogger("disagg_proxy")
 
@@ -143,12 +146,21 @@ def build_app(
         return answer
 
     async def _release(path: str, body: dict, params: dict | None, headers: dict) -> None:
-        """The decode server refused the request (a `max_tokens` too large for it, a parameter the prefill
-        request did not carry): nobody pulls the blocks the producer holds for it, so they stayed held until
-        its `abort_timeout_s` (120 s), and a client repeating such requests filled the producer's KV cache.
-        Ask the decode server for the request the producer served (one token): it pulls, the producer frees.
+        """The decode server refused the request (a prompt longer than its `max_model_len`, a `max_tokens`
+        too large for it, a model name only the prefill server serves): nobody pulls the blocks the
+        producer holds for it, so they stayed held until its `abort_timeout_s` (120 s), and a client
+        repeating such requests filled the producer's KV cache. Tell the producer DONE directly
+        (`release_remote_blocks`, with the parameters' `prompt_digest`); parameters without one (an older
+        producer) are released as before, by asking the decode server for the one-token request the
+        producer served, which it pulls (this fails when the decode server refuses the prompt itself).
         """
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        if isinstance(params.get("prompt_digest"), str):
+            acked = await asyncio.to_thread(release_remote_blocks, params)
+            if not acked:
+                rid = params.get("remote_request_id")
+                logger.warning("prefill server: no rank acknowledged releasing %s", rid)
             return
         try:
             await client.post(decode_url + path, json=dict(_prefill_body(body), kv_transfer_params=params),

@@ -14,6 +14,11 @@
 4. The same collision inside one engine's prefix cache: the LoRA name and the salt were both bare strings
    among a block's extra keys, so `cache_salt="a"` on the base model and adapter `a` shared blocks. Both
    are tagged now (`("lora", name)`, `("cache_salt", salt)`, chapter 11).
+5. A request the decode server refused before its engine (a prompt longer than its `max_model_len`, a
+   model name only the prefill server serves) left the producer's blocks held for `abort_timeout_s`: the
+   proxy's release asked the decode server for a one-token request, which it refused too. The producer's
+   parameters now carry `prompt_digest`, and the proxy says DONE itself (`release_remote_blocks`,
+   chapter 47e).
 """
 
 import time
@@ -152,3 +157,55 @@ def test_a_salt_that_spells_an_adapter_is_no_adapter(lora_setup, kind):
         assert _lora_run(llm, a1) == want["a1"], "adapter 'a' was served the base model's KV"
     finally:
         llm.llm_engine.shutdown()
+
+
+# --- 5: a request the decode server refuses before its engine still frees the producer's blocks at once ---
+
+
+def test_a_prompt_too_long_for_the_decode_server_frees_the_producers_blocks(tmp_path_factory):
+    "The decode server's max_model_len is 64, the prompt 100 tokens: the proxy releases via DONE itself."
+    import importlib.util
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+    from test_server import API_KEY, Server  # tests/ is on sys.path
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    spec = importlib.util.spec_from_file_location(
+        "disagg_proxy", Path(__file__).resolve().parents[1] / "examples" / "disagg_proxy.py"
+    )
+    disagg_proxy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(disagg_proxy)
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+    def server(kvt, max_model_len):
+        args = EngineArgs(model=path, dtype="float32", max_model_len=max_model_len, block_size=16,
+                          kv_cache_memory_bytes=1 << 20, kv_transfer_config=kvt)  # fmt: skip
+        return Server(AsyncLLM.from_engine_args(args, enable_multiprocessing=False))
+
+    kvt = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": get_open_port(),
+           "kv_connector_extra_config": {"abort_timeout_s": 120}}  # fmt: skip
+    prod = server(kvt, 128)
+    cons = server({"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer"}, 64)
+    try:
+        scheduler = prod.engine.engine_core.scheduler
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        with TestClient(disagg_proxy.build_app(prod.url, cons.url)) as proxy:
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            for stream in (False, True):
+                r = proxy.post("/v1/completions", headers=headers,
+                               json={"model": "tiny", "prompt": list(range(5, 105)), "max_tokens": 4,
+                                     "stream": stream})  # fmt: skip
+                assert r.status_code == 400 and "maximum context length" in r.text, r.text
+            t0 = time.monotonic()
+            assert _wait(lambda: not scheduler.delayed_free_req_ids, 10), (
+                "the producer still holds the blocks"
+            )
+            prod.wait_idle()
+            assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+            print(f"the producer freed the refused requests' blocks {time.monotonic() - t0:.2f} s later")
+    finally:
+        prod.stop()
+        cons.stop()

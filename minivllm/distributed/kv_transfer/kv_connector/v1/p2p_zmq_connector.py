@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'RecvReqMeta', 'P2pZmqConnectorMetadata', 'prompt_digest', 'P2pZmqConnectorScheduler',
-           'P2pZmqConnectorWorker', 'P2pZmqConnector']
+           'P2pZmqConnectorWorker', 'P2pZmqConnector', 'release_remote_blocks']
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #f2fbdef3
 @dataclass
@@ -271,7 +271,8 @@ def request_finished(
     if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
         return False, None
     deadline = time.time() + self.abort_timeout_s
-    self._reqs_to_send[request.request_id] = (list(block_ids), deadline, prompt_digest(request))
+    digest = prompt_digest(request)
+    self._reqs_to_send[request.request_id] = (list(block_ids), deadline, digest)
     return True, {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -281,6 +282,7 @@ def request_finished(
         "remote_host": self.host,
         "remote_port": self.port,
         "tp_size": self.tp_size,  # rank r serves on remote_port + r
+        "prompt_digest": digest,  # lets whoever holds these parameters release them (release_remote_blocks)
     }
 
 
@@ -985,3 +987,44 @@ class P2pZmqConnector(KVConnectorBase_V1):
 def get_kv_connector_stats(self: P2pZmqConnector) -> dict[str, int] | None:
     "The worker's counts since the last call (see `P2pZmqConnectorWorker.get_kv_connector_stats`)."
     return self.connector_worker.get_kv_connector_stats() if self.connector_worker is not None else None
+
+# %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #9792d49f
+def release_remote_blocks(kv_transfer_params: Any, timeout_s: float = 2.0) -> int:
+    """Tell the producer named by `kv_transfer_params` (what its `request_finished` returned) that nobody will
+    pull: `DONE` to each of its `tp_size` ranks, then wait up to `timeout_s` seconds for their `ACK`s.
+    Returns how many ranks acknowledged (0 for parameters that name no producer, or without a
+    `prompt_digest`); never raises for bad parameters or an unreachable producer.
+    Source: minivllm's own (vLLM's toy proxy leaves such blocks to VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
+    p = kv_transfer_params
+    if not isinstance(p, dict) or not _valid_remote_params(p) or not isinstance(p.get("prompt_digest"), str):
+        return 0
+    body = {"req_id": p.get("remote_request_id", ""), "tag": "release",
+            "engine_id": p.get("remote_engine_id", ""), "digest": p["prompt_digest"]}  # fmt: skip
+    ctx = zmq.Context()
+    socks = []
+    acked = 0
+    try:
+        for rank in range(p.get("tp_size", 1)):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_HEADER_BYTES)  # an ACK is small: a flood drops the peer
+            socks.append(sock)
+            sock.connect(f"tcp://{p.get('remote_host', '127.0.0.1')}:{p['remote_port'] + rank}")
+            sock.send_multipart([b"DONE", json.dumps(body).encode()], zmq.NOBLOCK)  # queued until connected
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        pending = len(socks)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                acked += sock.recv_multipart()[0] == b"ACK"
+                poller.unregister(sock)
+                pending -= 1
+    except zmq.ZMQError as e:  # a host that is no address, out of sockets: nothing more to tell
+        logger.warning("P2pZmqConnector: releasing %s failed: %s", p.get("remote_request_id"), e)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+    return acked
