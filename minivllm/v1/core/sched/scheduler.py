@@ -541,26 +541,32 @@ def _schedule_waiting(
     num_scheduled_tokens: dict[str, int],
     new_block_ids: dict[str, tuple[list[int], ...]],
 ) -> tuple[list[Request], list[Request]]:
-    """Admit WAITING requests while budget, `max_num_seqs` and KV cache allow, filling
-    `num_scheduled_tokens` and `new_block_ids`. Returns (new, resumed) requests."""
+    """Admit WAITING requests in queue order while budget, `max_num_seqs` and KV cache allow, filling
+    `num_scheduled_tokens` and `new_block_ids`. Returns (new, resumed) requests. A request that does not fit
+    stops admission while anything runs; when nothing runs only requests holding blocks (remote KV arrived)
+    may pass it, and such a holder that does not fit gives its blocks back (rule in the prose above).
+    Source: vLLM v0.15 v1/core/sched/scheduler.py `Scheduler.schedule` (the waiting loop)."""
     scheduled_new: list[Request] = []
     scheduled_resumed: list[Request] = []
-    skipped = create_request_queue(self.policy)
+    skipped = create_request_queue(self.policy)  # appended in queue order, put back in front in that order
     scheduled_loras = self._scheduled_lora_ids(num_scheduled_tokens)
+    holders_only = False  # the head waits for blocks that only requests in the queue hold
     while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
         request = self.waiting.peek_request()
         if not self._is_ready(request):
             self.waiting.pop_request()
             if not request.is_finished():
-                skipped.prepend_request(request)  # its KV is still arriving, or its grammar compiling
+                skipped.add_request(request)  # its KV is still arriving, or its grammar compiling
             continue
-        if self._exceeds_max_loras(request, scheduled_loras):  # its adapter would be one slot too many
-            skipped.prepend_request(self.waiting.pop_request())
+        if (holders_only and request.num_computed_tokens == 0) or self._exceeds_max_loras(
+            request, scheduled_loras
+        ):  # it holds no block to give back, or its adapter would be one slot too many
+            skipped.add_request(self.waiting.pop_request())
             continue
         resumed = request.status == RequestStatus.PREEMPTED
         hit = self._get_computed_tokens(request)
         if hit is None:  # the connector cannot tell yet: ask again next step
-            skipped.prepend_request(self.waiting.pop_request())
+            skipped.add_request(self.waiting.pop_request())
             continue
         computed_blocks, num_local, num_external, load_async = hit
         num_computed = num_local + num_external
@@ -584,15 +590,17 @@ def _schedule_waiting(
             num_external_computed_tokens=num_external,
         )
         if new_blocks is None:
-            if not self.running and self._pool_is_empty():
-                self._ignore_request(self.waiting.pop_request())  # can never fit
-            break
+            if self._stop_at_unfit(request):
+                break
+            holders_only = True  # nothing runs: let the holders behind it pass it, this step
+            skipped.add_request(self.waiting.pop_request())
+            continue
         if self.connector is not None:
             self._connector_after_alloc(request, num_external, asked=computed_blocks is not None)
         self.waiting.pop_request()
         if load_async:  # blocks reserved; the request waits until finished_recving names it
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            skipped.prepend_request(request)
+            skipped.add_request(request)
             continue
         self._admit(request, num_new_tokens, num_computed, now, new_block_ids, num_scheduled_tokens)
         self._allocate_encoder_inputs(request, encoder_inputs, encoder_budget, external_inputs)
@@ -739,6 +747,37 @@ def _ignore_request(self: Scheduler, request: Request) -> None:
     request.status = RequestStatus.FINISHED_IGNORED
     self._ignored_reqs.append(request)
     self._free_request(request)
+
+# %% ../../../../nbs/23_scheduler.ipynb #b2050a5d
+@patch
+def _release_waiting_blocks(self: Scheduler, request: Request) -> None:
+    """Free the blocks a waiting request holds (its remote KV arrived, `num_computed_tokens > 0`) and forget
+    its computed tokens, keeping its place and status (a request that never ran is still new to the runner).
+    Not counted as a preemption. Source: none in vLLM v0.15 (its waiting loop stops at the head); like
+    `_preempt_request` for a request in the waiting queue."""
+    logger.info(
+        "request %s: nothing runs and its %d loaded tokens leave no room; recomputing it",
+        request.request_id,
+        request.num_computed_tokens,
+    )
+    self.kv_cache_manager.free(request)
+    request.num_computed_tokens = 0
+
+
+@patch
+def _stop_at_unfit(self: Scheduler, request: Request) -> bool:
+    """The waiting `request` (at the front of `waiting`) got no blocks. True: stop admitting this step (FCFS
+    while anything runs; a request holding nothing that does not fit an otherwise empty pool is ignored, it
+    can never fit). False: nothing runs and blocks are held, so it is to be set aside for this step, after
+    giving back its own blocks if it holds some (rules 2-4 of "Phase 2")."""
+    if self.running:
+        return True  # the running requests give blocks back
+    if request.num_computed_tokens == 0 and self._pool_is_empty():
+        self._ignore_request(self.waiting.pop_request())
+        return True
+    if request.num_computed_tokens > 0:  # a holder that cannot grow while nothing runs
+        self._release_waiting_blocks(request)
+    return False
 
 # %% ../../../../nbs/23_scheduler.ipynb #792b0698
 @patch
