@@ -392,6 +392,39 @@ def test_sigterm_drain_is_bounded(tmp_path, second_signal):
     assert _tmp_files(tmpdir) == []
 
 
+def test_a_request_cut_by_the_drain_gets_an_openai_503(tmp_path):
+    """A non-streamed request still running when --shutdown-timeout (1 s) runs out is answered 503 in OpenAI's
+    error shape (uvicorn answered the cancelled request with a plain-text 500 no OpenAI client can read)."""
+    from minivllm.testing import make_tiny_checkpoint
+    make_tiny_checkpoint("llama", tmp_path / "tiny", max_position_embeddings=8192)
+    proc, port = _launch_serve(tmp_path, ["--max-model-len", "4096", "--shutdown-timeout", "1"],
+                               {"MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1"}, reuse_checkpoint=True)
+    got = {}
+
+    def long_request():
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 4000, "ignore_eos": True}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        got["status"], got["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=long_request)
+    try:
+        t.start()
+        deadline = time.monotonic() + 60
+        running = ""
+        while not running.endswith(" 1.0"):  # the request is in the engine
+            assert time.monotonic() < deadline and t.is_alive(), got
+            time.sleep(0.1)
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            running = next((ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")), "")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None: proc.kill()
+        t.join(60)
+    assert got["status"] == 503, got
+    assert got["body"]["error"]["code"] == 503 and "shutting down" in got["body"]["error"]["message"]
+
+
 @pytest.mark.parametrize("body,param", [({"logit_bias": {str(2 ** 70): 1}}, "logit_bias"),
                                         ({"stop_token_ids": [2 ** 63]}, "stop_token_ids"),
                                         ({"top_k": 2 ** 63}, "top_k")])

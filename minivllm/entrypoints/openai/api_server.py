@@ -45,11 +45,11 @@ logger = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_MAX_REQUEST_BODY_BYTES', 'AuthenticationMiddleware', 'RequestSizeLimitMiddleware',
-           'validation_error_response', 'error_type', 'http_error_response', 'internal_error_response', 'to_response',
-           'build_app', 'health', 'metrics', 'show_version', 'show_available_models', 'create_completion',
-           'create_chat_completion', 'tokenize', 'detokenize', 'runtime_lora_updating_allowed', 'load_lora_adapter',
-           'unload_lora_adapter', 'ServerThread', 'build_app_for_engine', 'watch_engine', 'DrainingServer',
-           'run_server']
+           'ShutdownCancelMiddleware', 'validation_error_response', 'error_type', 'http_error_response',
+           'internal_error_response', 'to_response', 'build_app', 'health', 'metrics', 'show_version',
+           'show_available_models', 'create_completion', 'create_chat_completion', 'tokenize', 'detokenize',
+           'runtime_lora_updating_allowed', 'load_lora_adapter', 'unload_lora_adapter', 'ServerThread',
+           'build_app_for_engine', 'watch_engine', 'DrainingServer', 'run_server']
 
 # %% ../../../nbs/58_api_server.ipynb #5e67146b
 class AuthenticationMiddleware:
@@ -107,6 +107,37 @@ class RequestSizeLimitMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+# %% ../../../nbs/58_api_server.ipynb #a3df5c3e
+class ShutdownCancelMiddleware:
+    """ASGI middleware: a request cancelled before its response started (the server's drain ran out) gets a
+    503 in OpenAI's error shape, then the cancellation goes on. Source: minivllm's own (uvicorn's
+    `RequestResponseCycle.run_asgi` answers it with a plain-text 500)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not started:
+                message = "The server is shutting down; the request was cancelled. Retry it."
+                err = create_error_response(message, "ServiceUnavailableError", 503)
+                try:
+                    await JSONResponse(err.model_dump(), status_code=503)(scope, receive, send)
+                except Exception:  # the connection is already gone: nobody to tell
+                    pass
+            raise
 
 # %% ../../../nbs/58_api_server.ipynb #5f3e1021
 def _is_model_name(part: Any) -> bool:
@@ -223,7 +254,8 @@ def build_app(
             app.add_api_route(*route[:2], methods=route[2])
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
-        app.add_middleware(AuthenticationMiddleware, api_key=api_key)  # added last: runs first
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    app.add_middleware(ShutdownCancelMiddleware)  # added last: runs first, around everything
     return app
 
 # %% ../../../nbs/58_api_server.ipynb #313a7c75
