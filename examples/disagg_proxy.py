@@ -15,7 +15,9 @@ Errors keep the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`,
 the proxy: a backend that refuses the connection (or whose connection pool is exhausted) is a 503, one that
 drops the connection, answers garbage or times out is a 502, a backend's own error is passed on with its
 status (wrapped in that shape if it was not JSON), and a stream that breaks after it started ends with an
-`error` event. A body that is not a JSON object is a 400.
+`error` event. A body that is not a JSON object is a 400. A client that disconnects while its request waits
+for the prefill or the (non-streamed) decode cancels that backend call, which then aborts the request, as a
+stream's disconnect already did.
 
 Source: the role of vLLM's examples/online_serving/disaggregated_serving (toy proxy server); the error body of
 vLLM v0.15 entrypoints/openai/protocol.py `ErrorResponse`.
@@ -70,6 +72,31 @@ def passthrough(r: httpx.Response) -> Response:
             pass
         return error_response(r.status_code, f"backend error: {r.text[:500]}")
     return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+
+async def _disconnected(request: Request) -> None:
+    "Return once the client has gone (its body was read already: the next message is the disconnect)."
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, call):
+    """`await call` (a backend request), unless the client disconnects first: then the call is cancelled,
+    which closes its connection, so the backend aborts the request as it would for the client itself, and
+    None is returned. Starlette does not cancel a handler whose client left: without this, a client that
+    gave up left the decode server generating every `max_tokens` for nobody."""
+    task = asyncio.ensure_future(call)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await task
+    return None
 
 
 def _is_seconds(value) -> bool:
@@ -129,12 +156,14 @@ def build_app(
             p_body.pop(key, None)
         return p_body
 
-    async def _prefill(path: str, body: dict, headers: dict) -> dict | Response:
+    async def _prefill(path: str, body: dict, headers: dict, request: Request) -> dict | Response:
         p_body = _prefill_body(body)
         try:
-            r = await client.post(prefill_url + path, json=p_body, headers=headers)
+            r = await _unless_gone(request, client.post(prefill_url + path, json=p_body, headers=headers))
         except httpx.HTTPError as e:
             return backend_failure("prefill", prefill_url, e)
+        if r is None:  # the client left: the prefill server aborted the request with the connection
+            return Response(status_code=499)
         if r.status_code != 200:
             return passthrough(r)
         try:
@@ -188,14 +217,18 @@ def build_app(
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        prefilled = await _prefill(path, body, headers)
+        prefilled = await _prefill(path, body, headers, request)
         if isinstance(prefilled, Response):
             return prefilled
         params = prefilled.get("kv_transfer_params")
         d_body = dict(body, kv_transfer_params=params)
         try:
             if not body.get("stream"):
-                answer = await client.post(decode_url + path, json=d_body, headers=headers)
+                answer = await _unless_gone(
+                    request, client.post(decode_url + path, json=d_body, headers=headers)
+                )
+                if answer is None:  # the client left: the decode server aborts, and tells the producer DONE
+                    return Response(status_code=499)
                 if 400 <= answer.status_code < 500:
                     await _release(path, body, params, headers)
                 return passthrough(answer)

@@ -19,6 +19,10 @@
    proxy's release asked the decode server for a one-token request, which it refused too. The producer's
    parameters now carry `prompt_digest`, and the proxy says DONE itself (`release_remote_blocks`,
    chapter 47e).
+6. A client that gave up on a non-streamed request through the proxy left the decode server generating all
+   of its `max_tokens` for nobody (Starlette does not cancel a handler whose client left): the proxy now
+   races each backend call against the client's disconnect and cancels it (`examples/disagg_proxy.py`
+   `_unless_gone`), so the backend aborts the request.
 """
 
 import time
@@ -207,5 +211,60 @@ def test_a_prompt_too_long_for_the_decode_server_frees_the_producers_blocks(tmp_
             assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
             print(f"the producer freed the refused requests' blocks {time.monotonic() - t0:.2f} s later")
     finally:
+        prod.stop()
+        cons.stop()
+
+
+# --- 6: a client that leaves the proxy aborts its request on the decode server ---
+
+
+def _generated(server) -> float:
+    "The server's vllm:generation_tokens_total."
+    lines = [
+        ln for ln in server.get("/metrics").splitlines() if ln.startswith("vllm:generation_tokens_total")
+    ]
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_a_client_that_leaves_the_proxy_aborts_its_decode(tmp_path_factory):
+    "Non-streamed, 3000 tokens asked, the client gives up after 0.5 s: the decode server must not finish it."
+    import importlib.util
+    from pathlib import Path
+
+    import httpx
+    from test_server import API_KEY, Server  # tests/ is on sys.path
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.entrypoints.openai.api_server import ServerThread
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    spec = importlib.util.spec_from_file_location(
+        "disagg_proxy", Path(__file__).resolve().parents[1] / "examples" / "disagg_proxy.py"
+    )
+    disagg_proxy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(disagg_proxy)
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), max_position_embeddings=8192)
+
+    def server(kvt):
+        args = EngineArgs(model=path, dtype="float32", max_model_len=4096, block_size=16,
+                          kv_cache_memory_bytes=4 << 20, kv_transfer_config=kvt)  # fmt: skip
+        return Server(AsyncLLM.from_engine_args(args, enable_multiprocessing=False))
+
+    prod = server({"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": get_open_port()})
+    cons = server({"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer"})
+    proxy = ServerThread(disagg_proxy.build_app(prod.url, cons.url)).start()
+    try:
+        body = {"model": "tiny", "prompt": "Go on", "max_tokens": 3000, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(proxy.url + "/v1/completions", json=body, timeout=0.5,
+                       headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        cons.wait_idle(timeout=60)
+        prod.wait_idle(timeout=60)
+        generated = _generated(cons)
+        print(f"the decode server generated {generated:.0f} of 3000 tokens for the client that left")
+        assert generated < 3000, "the decode server finished the request for nobody"
+        assert not prod.engine.engine_core.scheduler.delayed_free_req_ids  # and the producer was told DONE
+    finally:
+        proxy.stop()
         prod.stop()
         cons.stop()
