@@ -23,6 +23,10 @@
    of its `max_tokens` for nobody (Starlette does not cancel a handler whose client left): the proxy now
    races each backend call against the client's disconnect and cancels it (`examples/disagg_proxy.py`
    `_unless_gone`), so the backend aborts the request.
+7. An encoder-only instance (`ec_role` `ec_producer`) with a KV connector failed with "ExampleConnector
+   supports one KV cache group; this model has 0" (LMCache the same), and a P2P producer started and answered
+   every request with token 0. It is refused when the engine's config is built, naming both settings
+   (chapter 29a, `_check_transfer_roles`).
 """
 
 import time
@@ -268,3 +272,18 @@ def test_a_client_that_leaves_the_proxy_aborts_its_decode(tmp_path_factory):
         proxy.stop()
         prod.stop()
         cons.stop()
+
+
+# --- 7: an encoder-only instance (ec_producer) with a KV connector is refused, naming both settings ---
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "LMCacheConnectorV1", "P2pZmqConnector"])
+def test_an_encoder_only_instance_refuses_a_kv_connector(tmp_path_factory, tmp_path, connector):
+    ckpt = make_tiny_checkpoint("gemma3_mm", tmp_path_factory.mktemp("g3mm"))
+    role = "kv_producer" if connector == "P2pZmqConnector" else "kv_both"
+    kvt = {"kv_connector": connector, "kv_role": role,
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}  # fmt: skip
+    ect = {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+           "ec_connector_extra_config": {"shared_storage_path": str(tmp_path / "ec")}}  # fmt: skip
+    with pytest.raises(ValueError, match="ec_role is ec_producer.*no KV cache"):
+        LLM(ckpt, dtype="float32", max_model_len=256, kv_transfer_config=kvt, ec_transfer_config=ect)

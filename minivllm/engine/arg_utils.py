@@ -213,6 +213,18 @@ def resolve_model_path(self: EngineArgs) -> str:
         return self.model
     return str(resolve_model(self.model))
 
+
+def _check_transfer_roles(kvt: KVTransferConfig | None, ect: ECTransferConfig | None) -> None:
+    """An `ec_producer` runs only the encoder: it has no KV cache, so a KV connector has nothing to store or
+    send (ExampleConnector and LMCache failed with "one KV cache group; this model has 0", and a P2P
+    producer answered every request with one token 0). Raises ValueError naming both settings."""
+    if kvt is not None and kvt.kv_connector and ect is not None and ect.is_ec_producer_only:
+        raise ValueError(
+            "kv_transfer_config: an instance whose ec_transfer_config.ec_role is ec_producer runs only the "
+            "vision encoder and has no KV cache to transfer; drop kv_transfer_config, or use ec_role "
+            "ec_both for an instance that also runs the language model"
+        )
+
 # %% ../../nbs/29a_arg_utils.ipynb #5a23aa5b
 def _check_parallel_sizes(model_config: ModelConfig, tp: int, pp: int, backend: str) -> None:
     """Refuse, before any worker starts, sizes the model cannot be split by: attention heads (and KV heads,
@@ -320,6 +332,9 @@ def create_engine_config(self: EngineArgs, usage_context: Any = None) -> VllmCon
         distributed_executor_backend=backend,
         sim_cost_model=_sim_cost_model(self.simulate),
     )
+    kv_transfer_config = self.create_kv_transfer_config()
+    ec_transfer_config = self.create_ec_transfer_config()
+    _check_transfer_roles(kv_transfer_config, ec_transfer_config)
     return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -329,8 +344,8 @@ def create_engine_config(self: EngineArgs, usage_context: Any = None) -> VllmCon
         compilation_config=self.create_compilation_config(),
         lora_config=self.create_lora_config(model_config, parallel_config),
         speculative_config=self.create_speculative_config(model_config, parallel_config),
-        kv_transfer_config=self.create_kv_transfer_config(),
-        ec_transfer_config=self.create_ec_transfer_config(),
+        kv_transfer_config=kv_transfer_config,
+        ec_transfer_config=ec_transfer_config,
         kv_events_config=self.kv_events_config
         if isinstance(self.kv_events_config, KVEventsConfig | None)
         else KVEventsConfig.from_cli(self.kv_events_config),
