@@ -68,6 +68,9 @@ _PROCESSES = {
     "MINIVLLM_ENABLE_V1_MULTIPROCESSING": _choice("1", "0: engine core in-process", _ON_OFF),
     "MINIVLLM_WORKER_MULTIPROC_METHOD": _choice("", "worker start method", ("fork", "spawn", "forkserver")),
     "MINIVLLM_KEEP_ALIVE_ON_ENGINE_DEATH": _choice("0", "serve on after the engine died", _BOOL_WORDS, True),
+    "MINIVLLM_ENGINE_SIGTERM_DEFER_SECONDS": _number(
+        "float", "0", 0.0, "seconds an engine/worker defers SIGTERM while its owner lives (serve sets it)"
+    ),
     "MINIVLLM_CHECK_INVARIANTS": _choice("0", "check KV cache invariants each step", _BOOL_WORDS, True),
     "MINIVLLM_DIST_TIMEOUT_S": _number("float", "600", 1e-9, "seconds a collective may wait"),
     "MINIVLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": _number("float", "300", 1e-9, "seconds a step may take"),

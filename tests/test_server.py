@@ -291,10 +291,12 @@ def test_bad_requests_do_not_disturb_a_running_stream(server):
     assert got["text"] == expected
 
 
-def _launch_serve(tmp_path, args: list[str], env_extra: dict | None = None, reuse_checkpoint: bool = False):
+def _launch_serve(tmp_path, args: list[str], env_extra: dict | None = None, reuse_checkpoint: bool = False,
+                  new_session: bool = False):
     """Start `minivllm serve` on a tiny llama checkpoint in a subprocess (one OMP thread, `args` after the port);
     return (process, port) once /health answers. `reuse_checkpoint`: serve the one already in `tmp_path / "tiny"`
-    (made with other settings). Raises AssertionError (after killing it) if the server exits or is not up within
+    (made with other settings). `new_session`: in a session (and process group) of its own, whose id is the
+    process's pid, for signals sent to the whole group. Raises AssertionError (after killing it) if the server exits or is not up within
     120 s."""
     import os
     import socket
@@ -310,7 +312,7 @@ def _launch_serve(tmp_path, args: list[str], env_extra: dict | None = None, reus
                **(env_extra or {}))
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
                              "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), *args, "--uvicorn-log-level", "warning"],
-                            cwd=repo, env=env)
+                            cwd=repo, env=env, start_new_session=new_session)
     deadline = time.monotonic() + 120
     try:
         while True:

@@ -392,6 +392,69 @@ def test_sigterm_drain_is_bounded(tmp_path, second_signal):
     assert _tmp_files(tmpdir) == []
 
 
+def _group_members(pgid: int) -> list[int]:
+    "Pids of the live (not zombie) processes of process group `pgid`, from /proc."
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f: fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if d.isdigit() and int(fields[2]) == pgid and fields[0] not in ("Z", "X"): pids.append(int(d))
+    return pids
+
+
+def test_group_sigterm_drains_like_ctrl_c(tmp_path):
+    """SIGTERM to the server's whole process group (systemd's default KillMode=control-group, `kill -TERM
+    -<pgid>`) reaches the engine core too. It used to exit at once, cutting the open stream with an
+    EngineDeadError event; now it waits while the front end drains: the stream ends with [DONE] and no error,
+    the server exits 0, its IPC files are gone and no process of its group is left."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc, port = _launch_serve(tmp_path, ["--max-model-len", "512", "--block-size", "16", "--shutdown-timeout", "300"],
+                               {"TMPDIR": str(tmpdir), "MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1"}, new_session=True)
+    got = {"chunks": 0, "done": False, "errors": []}
+
+    def stream():
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]": got["done"] = True
+                    elif line.startswith("data: "):
+                        got["chunks"] += 1
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk: got["errors"].append(line)
+                        else: got["finish"] = chunk["choices"][0]["finish_reason"] or got.get("finish")
+        except httpx.HTTPError as e:
+            got["errors"].append(repr(e))
+
+    t = threading.Thread(target=stream)
+    try:
+        pgid = os.getpgid(proc.pid)
+        assert pgid == proc.pid and pgid != os.getpgrp()   # never signal the group pytest runs in
+        members = _group_members(pgid)
+        assert len(members) >= 2, members                  # the server and its engine core
+        t.start()
+        deadline = time.monotonic() + 60
+        while got["chunks"] < 5:
+            assert time.monotonic() < deadline and t.is_alive(), got
+            time.sleep(0.05)
+        os.killpg(pgid, signal.SIGTERM)
+        assert proc.wait(120) == 0
+        t.join(60)
+        deadline = time.monotonic() + 30
+        while _group_members(pgid) and time.monotonic() < deadline: time.sleep(0.2)
+        assert _group_members(pgid) == []
+    finally:
+        if proc.poll() is None: proc.kill()
+        try: os.killpg(proc.pid, signal.SIGKILL)   # never leave the engine behind, even when the test fails
+        except ProcessLookupError: pass
+        t.join(60)
+    assert got["done"] and got["errors"] == [] and got["finish"] == "length", got   # all 300 tokens
+    assert _tmp_files(tmpdir) == []
+
+
 def test_a_request_cut_by_the_drain_gets_an_openai_503(tmp_path):
     """A non-streamed request still running when --shutdown-timeout (1 s) runs out is answered 503 in OpenAI's
     error shape (uvicorn answered the cancelled request with a plain-text 500 no OpenAI client can read)."""

@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.popen_fork
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -17,9 +18,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'MP_METHOD_ENV', 'MP_METHODS', 'default_mp_method', 'requested_mp_method', 'fork_unsafe_reasons',
-           'FreshThreadForkProcess', 'FreshThreadForkContext', 'get_mp_context', 'process_start_time',
-           'process_identity', 'process_is_alive', 'wait_for_process_exit']
+__all__ = ['logger', 'MP_METHOD_ENV', 'MP_METHODS', 'SHUTDOWN_SIGNAL', 'SIGTERM_DEFER_ENV', 'default_mp_method',
+           'requested_mp_method', 'fork_unsafe_reasons', 'FreshThreadForkProcess', 'FreshThreadForkContext',
+           'get_mp_context', 'process_start_time', 'process_identity', 'process_is_alive', 'wait_for_process_exit',
+           'send_shutdown_signal', 'install_shutdown_signal_handlers']
 
 # %% ../../nbs/24d_system_utils.ipynb #4587c84f
 MP_METHOD_ENV = "MINIVLLM_WORKER_MULTIPROC_METHOD"
@@ -174,3 +176,60 @@ def wait_for_process_exit(
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+# %% ../../nbs/24d_system_utils.ipynb #ea1bf0e2
+SHUTDOWN_SIGNAL = signal.SIGUSR1
+SIGTERM_DEFER_ENV = "MINIVLLM_ENGINE_SIGTERM_DEFER_SECONDS"
+
+
+def send_shutdown_signal(pid: int | None) -> None:
+    "Ask the engine-core or worker process `pid` to stop in order (`SHUTDOWN_SIGNAL`); a gone pid is ignored."
+    if pid is None:
+        return
+    try:
+        os.kill(pid, SHUTDOWN_SIGNAL)
+    except ProcessLookupError:
+        pass
+
+
+def install_shutdown_signal_handlers(
+    owner: tuple[int, int | None] | None, name: str, extra_defer_s: float = 0.0
+) -> None:
+    """Signal handling of an engine-core or worker process; call it first, from the process's main thread.
+    `owner`: `(pid, start time)` (`process_identity`) of the process that stops this one (the front end for
+    an engine core, the engine core for a worker); None: none, SIGTERM stops at once. `name` prefixes the log.
+    SIGINT is ignored (Ctrl-C reaches the whole group; the owner decides). `SHUTDOWN_SIGNAL` raises
+    `SystemExit(0)`. SIGTERM raises it too, unless `MINIVLLM_ENGINE_SIGTERM_DEFER_SECONDS` (read here) is
+    above 0 and the owner is alive: then it is logged once and deferred, and after that many seconds plus
+    `extra_defer_s` the process sends itself `SHUTDOWN_SIGNAL`; a SIGTERM after the owner died stops at once.
+    Raises ValueError for a variable that is not a number. Source: no vLLM counterpart (vLLM v0.15's
+    `run_engine_core` and `worker_main` stop on the first SIGTERM or SIGINT)."""
+    defer_s = float(os.environ.get(SIGTERM_DEFER_ENV, "0") or 0)
+    deferred = threading.Event()
+
+    def _stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    def _deadline() -> None:
+        # logged here, not in the handler: the main thread may hold the logging lock when the signal lands
+        logger.info(
+            "%s: SIGTERM deferred while its owner (pid %d) runs: the owner stops this process when done "
+            "(at most %.0f s)",
+            name,
+            owner[0],
+            defer_s + extra_defer_s,
+        )
+        threading.Event().wait(defer_s + extra_defer_s)
+        logger.warning("%s: still running %.0f s after SIGTERM; stopping", name, defer_s + extra_defer_s)
+        os.kill(os.getpid(), SHUTDOWN_SIGNAL)
+
+    def _term(signum: int, frame: Any) -> None:
+        if defer_s <= 0 or owner is None or not process_is_alive(owner):
+            raise SystemExit(0)
+        if not deferred.is_set():
+            deferred.set()
+            threading.Thread(target=_deadline, daemon=True, name=f"{name}SigtermDeadline").start()
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(SHUTDOWN_SIGNAL, _stop)
+    signal.signal(signal.SIGTERM, _term)

@@ -12,9 +12,12 @@ from .main import CLISubcommand
 from ..openai.cli_args import load_chat_template, make_arg_parser
 
 # %% auto #0
-__all__ = ['ServeSubcommand', 'cmd_init']
+__all__ = ['SIGTERM_DEFER_MARGIN_S', 'ServeSubcommand', 'cmd_init']
 
 # %% ../../../nbs/59a_serve.ipynb #36d3ac2e
+SIGTERM_DEFER_MARGIN_S = 30.0
+
+
 class ServeSubcommand(CLISubcommand):
     """`minivllm serve [MODEL] [flags]`: run the OpenAI-compatible server.
     Source: vLLM v0.15 entrypoints/cli/serve.py `ServeSubcommand`."""
@@ -23,8 +26,14 @@ class ServeSubcommand(CLISubcommand):
 
     @staticmethod
     def cmd(args: argparse.Namespace) -> None:
-        from minivllm.entrypoints.openai.api_server import run_server
+        import os
 
+        from minivllm.entrypoints.openai.api_server import run_server
+        from minivllm.utils.system_utils import SIGTERM_DEFER_ENV
+
+        # a SIGTERM to the whole process group reaches the engine core and workers too: they wait for the
+        # drain, then this process stops them in order (chapter 24d)
+        os.environ.setdefault(SIGTERM_DEFER_ENV, str(args.shutdown_timeout + SIGTERM_DEFER_MARGIN_S))
         args.chat_template = load_chat_template(args.chat_template)
         run_server(args)
 

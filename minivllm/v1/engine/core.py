@@ -21,7 +21,11 @@ from fastcore.basics import patch
 
 from ...config import VllmConfig
 from ...multimodal.cache import engine_receiver_cache_from_config
-from ...utils.system_utils import wait_for_process_exit
+from minivllm.utils.system_utils import (
+    install_shutdown_signal_handlers,
+    process_identity,
+    wait_for_process_exit,
+)
 from minivllm.v1.core.kv_cache_utils import (
     get_hash_fn_by_name,
     get_kv_cache_configs,
@@ -408,15 +412,13 @@ class EngineCoreProc(EngineCore):
         *args, startup_error_conn: Any = None, front_end: tuple[int, int | None] | None = None, **kwargs
     ) -> None:
         """Process entry point: build the engine (model load, KV sizing, handshake) and run the busy loop
-        until SIGTERM, or until the front-end process dies. startup_error_conn: optional write end of a pipe
-        that receives `(exception type name, message)` if start-up fails, so the client can re-raise it;
-        front_end: the front end's `(pid, start time)` (`process_identity()`), watched for its death."""
-
-        def _term(signum, frame):
-            raise SystemExit(0)
-
-        signal.signal(signal.SIGTERM, _term)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client decides when we stop
+        until the front end's `SHUTDOWN_SIGNAL`, a SIGTERM (deferred while the front end lives, see
+        `install_shutdown_signal_handlers`), or the front end's death. startup_error_conn: optional write end
+        of a pipe that receives `(exception type name, message)` if start-up fails, so the client can
+        re-raise it; front_end: the front end's `(pid, start time)` (`process_identity()`), watched."""
+        parent = multiprocessing.parent_process()
+        owner = front_end or (process_identity(parent.pid) if parent is not None else None)
+        install_shutdown_signal_handlers(owner, "EngineCore")
         _exit_with_parent((kwargs.get("input_address", ""), kwargs.get("output_address", "")), front_end)
         engine_core = None
         try:

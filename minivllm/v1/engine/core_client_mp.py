@@ -26,7 +26,7 @@ import zmq.asyncio
 from fastcore.basics import patch
 
 from ...config import VllmConfig
-from ...utils.system_utils import get_mp_context, process_identity
+from ...utils.system_utils import get_mp_context, process_identity, send_shutdown_signal
 from ..core.kv_cache_metrics import KVCacheEvictionEvent
 from . import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from .core import ENGINE_CORE_DEAD, READY, EngineCoreProc, make_zmq_socket
@@ -117,11 +117,8 @@ def _sigterm_cleanup(signum: int, frame: Any) -> None:
     "Unlink the IPC files of every live client, then die of SIGTERM as the default action would."
     for res in list(_LIVE_RESOURCES):
         res.unlink_paths()
-        if res.proc is not None and res.proc.pid is not None:  # do not leave the engine to notice on its own
-            try:
-                os.kill(res.proc.pid, signal.SIGTERM)
-            except OSError:
-                pass
+        if res.proc is not None:  # do not leave the engine to notice on its own
+            send_shutdown_signal(res.proc.pid)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)
 
@@ -149,7 +146,8 @@ class BackgroundResources:
         self.shutting_down = True
         proc = self.proc
         if proc is not None and proc.is_alive():
-            proc.terminate()
+            # not SIGTERM: under `minivllm serve` the engine defers a SIGTERM, which may be the group's
+            send_shutdown_signal(proc.pid)
             proc.join(5)
             if proc.is_alive():
                 proc.kill()

@@ -30,7 +30,13 @@ from fastcore.basics import patch
 from ...config import VllmConfig
 from ...distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from ...distributed.kv_events import KVEventAggregator
-from ...utils.system_utils import get_mp_context, wait_for_process_exit
+from minivllm.utils.system_utils import (
+    get_mp_context,
+    install_shutdown_signal_handlers,
+    process_identity,
+    send_shutdown_signal,
+    wait_for_process_exit,
+)
 from ..core.sched.output import SchedulerOutput
 from .abstract import Executor, run_method
 from ..outputs import KVConnectorOutput, ModelRunnerOutput
@@ -170,17 +176,16 @@ def worker_main(
     forked child inherits it, a spawned one is handed a duplicate), closed at once so that only the executor's
     copy keeps the pipe open. Source: vLLM v0.15 `WorkerProc.worker_main`."""
 
-    def _term(signum, frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, _term)
-    # Ctrl-C goes to the whole group; the executor decides when we stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None else os.getppid()
+    # Ctrl-C and a group SIGTERM reach us too: the executor decides when we stop (chapter 24d); 5 s more than
+    # the engine core, so that an engine whose deadline passes still stops its workers in order
+    install_shutdown_signal_handlers(
+        process_identity(parent_pid), f"WorkerProc rank {rank}", extra_defer_s=5.0
+    )
     if death_writer is not None:
         death_writer.close()
     shutdown_event = threading.Event()
-    parent = multiprocessing.parent_process()
-    parent_pid = parent.pid if parent is not None else os.getppid()
 
     def monitor_parent():
         # EOF once every copy of the write end is closed. A process the executor's process forks later also
@@ -349,8 +354,8 @@ class _ExecutorResources:
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
-            if p.is_alive():
-                p.terminate()
+            if p.is_alive():  # not SIGTERM, which a worker defers while we live (chapter 24d)
+                send_shutdown_signal(p.pid)
         for p in procs:
             p.join(2)
             if p.is_alive():
