@@ -10,7 +10,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from ...multimodal.cache import engine_receiver_cache_from_config
 from minivllm.utils.system_utils import (
     install_shutdown_signal_handlers,
     process_identity,
+    send_shutdown_signal,
     wait_for_process_exit,
 )
 from minivllm.v1.core.kv_cache_utils import (
@@ -316,8 +316,10 @@ def _exit_with_parent(
     died (SIGKILL, an unhandled SIGTERM). `front_end`: the front end's `(pid, start time)` from
     `process_identity()` (None: multiprocessing's parent pid, start time unchecked). A daemon thread waits
     until that process is gone or the parent's sentinel fires, removes the front end's IPC socket files
-    (`ipc://` paths in `ipc_addresses`: a killed front end cannot), then SIGTERMs this process so the normal
-    shutdown runs (its workers follow through their own death pipes); a hard exit if that hangs.
+    (`ipc://` paths in `ipc_addresses`: a killed front end cannot), then sends this process `SHUTDOWN_SIGNAL`
+    so the normal shutdown runs (its workers follow through their own death pipes); a hard exit if that
+    hangs. Not SIGTERM: the pidfd wakes before /proc shows the front end as exited, so the SIGTERM handler
+    (chapter 24d) could still find it alive and defer.
     Source: the role of vLLM v0.15's parent-death handling in v1/engine/core.py."""
     parent = multiprocessing.parent_process()
     if parent is None and front_end is None:
@@ -335,7 +337,7 @@ def _exit_with_parent(
                     os.unlink(address.removeprefix("ipc://"))
                 except OSError:
                     pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        send_shutdown_signal(os.getpid())
         threading.Event().wait(10)
         os._exit(1)
 
