@@ -15,7 +15,10 @@ Errors keep the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`,
 the proxy: a backend that refuses the connection (or whose connection pool is exhausted) is a 503, one that
 drops the connection, answers garbage or times out is a 502, a backend's own error is passed on with its
 status (wrapped in that shape if it was not JSON), and a stream that breaks after it started ends with an
-`error` event. A body that is not a JSON object is a 400. A client that disconnects while its request waits
+`error` event. A body that is not a JSON object is a 400. A backend's 200 that is no answer (not JSON, a
+prefill answer carrying an `error` or a `kv_transfer_params` that is not an object) is a 502. Whenever the
+decode server does not take a request (it refused it, failed, or is down), the proxy releases the blocks the
+producer holds for it. A client that disconnects while its request waits
 for the prefill or the (non-streamed) decode cancels that backend call, which then aborts the request, as a
 stream's disconnect already did.
 
@@ -44,7 +47,8 @@ logger = logging.getLogger("disagg_proxy")
 
 def error_body(status: int, message: str) -> dict:
     "OpenAI's error shape; `type` is the status phrase, as in `BadGatewayError`."
-    err_type = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    phrase = HTTPStatus(status).phrase.replace(" ", "")
+    err_type = phrase if phrase.endswith("Error") else phrase + "Error"  # not InternalServerErrorError
     return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
 
 
@@ -71,7 +75,14 @@ def passthrough(r: httpx.Response) -> Response:
         except ValueError:
             pass
         return error_response(r.status_code, f"backend error: {r.text[:500]}")
+    try:
+        r.json()
+    except ValueError:  # a 200 that is not JSON is no answer: the backend is broken, not the client
+        return error_response(502, f"the backend's answer is not JSON: {r.text[:200]!r}")
     return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+
+MAX_PREFILL_ANSWER_BYTES = 64 << 20  # one token and kv_transfer_params; echoed prompt logprobs at most
 
 
 async def _disconnected(request: Request) -> None:
@@ -128,9 +139,9 @@ _DECODE_ONLY_FIELDS = (
 def build_app(
     prefill_url: str, decode_url: str, timeout_s: float = 600.0, health_timeout_s: float = 5.0
 ) -> FastAPI:
-    """The proxy's app. `timeout_s`: the longest wait (seconds) for each backend operation: connecting, and
-    each read while a prefill or a decode runs (a long prompt on a CPU may take minutes); past it the client
-    gets a 502. `health_timeout_s`: `/health`'s wait for each backend, short, so that a backend that accepts
+    """The proxy's app. `timeout_s`: the longest a prefill or a non-streamed decode may take in all
+    (seconds; a long prompt on a CPU may take minutes), and the longest wait for each read of a stream;
+    past it the client gets a 502. A prefill's answer is read up to `MAX_PREFILL_ANSWER_BYTES`. `health_timeout_s`: `/health`'s wait for each backend, short, so that a backend that accepts
     connections and never answers (a stopped process: `kill -STOP`) shows as unhealthy at once. Raises
     ValueError for a timeout that is not a positive number."""
     for name, value in (("timeout_s", timeout_s), ("health_timeout_s", health_timeout_s)):
@@ -156,10 +167,31 @@ def build_app(
             p_body.pop(key, None)
         return p_body
 
+    async def _post(url: str, body: dict, headers: dict, max_bytes: int | None = None) -> httpx.Response:
+        """POST and read the whole answer within `timeout_s` in all (httpx's timeout bounds each read only: a
+        backend trickling a byte a second held the client for minutes), at most `max_bytes` of it. Raises
+        httpx.ReadTimeout past the deadline, httpx.RemoteProtocolError past the size."""
+        try:
+            async with (
+                asyncio.timeout(timeout_s),
+                client.stream("POST", url, json=body, headers=headers) as r,
+            ):
+                chunks, size = [], 0
+                async for chunk in r.aiter_bytes():
+                    size += len(chunk)
+                    if max_bytes is not None and size > max_bytes:
+                        raise httpx.RemoteProtocolError(f"its answer is over {max_bytes} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise httpx.ReadTimeout(f"no complete answer within {timeout_s:g} s") from None
+        kept = {k: v for k, v in r.headers.items() if k.lower() == "content-type"}
+        return httpx.Response(r.status_code, headers=kept, content=b"".join(chunks))
+
     async def _prefill(path: str, body: dict, headers: dict, request: Request) -> dict | Response:
         p_body = _prefill_body(body)
         try:
-            r = await _unless_gone(request, client.post(prefill_url + path, json=p_body, headers=headers))
+            call = _post(prefill_url + path, p_body, headers, MAX_PREFILL_ANSWER_BYTES)
+            r = await _unless_gone(request, call)
         except httpx.HTTPError as e:
             return backend_failure("prefill", prefill_url, e)
         if r is None:  # the client left: the prefill server aborted the request with the connection
@@ -172,16 +204,24 @@ def build_app(
             return error_response(502, "the prefill server's answer is not JSON")
         if not isinstance(answer, dict):
             return error_response(502, "the prefill server's answer is not an object")
+        if "error" in answer:  # a 200 carrying an error: the prefill failed, whatever its status says
+            return error_response(
+                502, f"the prefill server answered with an error: {str(answer['error'])[:300]}"
+            )
+        params = answer.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):  # the client never sent this field
+            return error_response(502, "the prefill server's kv_transfer_params is not an object")
         return answer
 
-    async def _release(path: str, body: dict, params: dict | None, headers: dict) -> None:
-        """The decode server refused the request (a prompt longer than its `max_model_len`, a `max_tokens`
-        too large for it, a model name only the prefill server serves): nobody pulls the blocks the
+    async def _release(path: str, body: dict, params: dict | None, headers: dict, answered: bool) -> None:
+        """The decode server did not take the request: it refused it (a prompt longer than its
+        `max_model_len`, a `max_tokens` too large for it, a model name only the prefill server serves), it
+        failed (a 5xx, a timeout, garbage) or it is down (`answered` False). Nobody pulls the blocks the
         producer holds for it, so they stayed held until its `abort_timeout_s` (120 s), and a client
         repeating such requests filled the producer's KV cache. Tell the producer DONE directly
         (`release_remote_blocks`, with the parameters' `prompt_digest`); parameters without one (an older
-        producer) are released as before, by asking the decode server for the one-token request the
-        producer served, which it pulls (this fails when the decode server refuses the prompt itself).
+        producer) are released as before, by asking a decode server that answered for the one-token request
+        the producer served, which it pulls (this fails when the decode server refuses the prompt itself).
         """
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return
@@ -190,6 +230,8 @@ def build_app(
             if not acked:
                 rid = params.get("remote_request_id")
                 logger.warning("prefill server: no rank acknowledged releasing %s", rid)
+            return
+        if not answered:
             return
         try:
             await client.post(decode_url + path, json=dict(_prefill_body(body), kv_transfer_params=params),
@@ -224,23 +266,22 @@ def build_app(
         d_body = dict(body, kv_transfer_params=params)
         try:
             if not body.get("stream"):
-                answer = await _unless_gone(
-                    request, client.post(decode_url + path, json=d_body, headers=headers)
-                )
+                answer = await _unless_gone(request, _post(decode_url + path, d_body, headers))
                 if answer is None:  # the client left: the decode server aborts, and tells the producer DONE
                     return Response(status_code=499)
-                if 400 <= answer.status_code < 500:
-                    await _release(path, body, params, headers)
-                return passthrough(answer)
+                out = passthrough(answer)
+                if out.status_code != 200:  # refused, failed, or a 200 that is no answer
+                    await _release(path, body, params, headers, answered=True)
+                return out
             req = client.build_request("POST", decode_url + path, json=d_body, headers=headers)
             upstream = await client.send(req, stream=True)
-        except httpx.HTTPError as e:
+        except httpx.HTTPError as e:  # down, timed out, or broke the connection: it took nothing
+            await _release(path, body, params, headers, answered=False)
             return backend_failure("decode", decode_url, e)
         if upstream.status_code != 200:
             await upstream.aread()
             await upstream.aclose()
-            if 400 <= upstream.status_code < 500:
-                await _release(path, body, params, headers)
+            await _release(path, body, params, headers, answered=True)
             return passthrough(upstream)
         return StreamingResponse(_relay(upstream), status_code=200, media_type="text/event-stream")
 

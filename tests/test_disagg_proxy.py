@@ -246,3 +246,80 @@ def test_the_prefill_request_carries_no_decode_limits(servers):
     assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
     assert {k: decode[k] for k in body} == body  # the client's own request, plus the producer's parameters
     assert decode["kv_transfer_params"] == {"do_remote_prefill": True}
+
+
+# --- break pass D (issue 30): backends that answer badly ---
+
+
+def _reply_with(status, body: bytes, ctype="application/json"):
+    def reply(path, req):
+        return status, ctype, body
+
+    return reply
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (b'{"error": {"message": "engine overloaded"}}', "answered with an error: "),  # a 200 with an error
+        (b'{"kv_transfer_params": [1, 2]}', "kv_transfer_params is not an object"),  # the client sent no such
+    ],
+)
+def test_a_prefill_answer_that_is_no_answer_is_a_502(servers, answer, says):
+    "They went on (recomputed without a word), or were a 400 blaming the client for a field it never sent."
+    prefill = servers("backend", reply=_reply_with(200, answer))
+    with _proxy(prefill, servers("backend", reply=_prefill_ok)) as client:
+        error = _assert_openai_error(client.post("/v1/completions", json=BODY), 502)
+    assert says in error["message"] and error["param"] is None
+
+
+def test_a_decode_answer_that_is_not_json_is_a_502_and_the_500_type_is_not_doubled(servers):
+    decode = servers("backend", reply=_reply_with(200, b"\x00\xff<html>not json", "text/html"))
+    with _proxy(servers("backend", reply=_prefill_ok), decode) as client:
+        error = _assert_openai_error(client.post("/v1/completions", json=BODY), 502)
+        assert "not JSON" in error["message"]
+    with _proxy(servers("backend", reply=_plain_500), servers("backend", reply=_prefill_ok)) as client:
+        assert (
+            _assert_openai_error(client.post("/v1/completions", json=BODY), 500)["type"]
+            == "InternalServerError"
+        )
+
+
+def test_a_trickling_or_huge_prefill_answer_is_a_502_in_time(servers, monkeypatch):
+    "httpx's timeout bounds each read: a byte a second held the client minutes; 300 MiB answers were read whole."
+    import time
+
+    class Trickle(_Backend):
+        def __init__(self):
+            super().__init__(reply=_prefill_ok)
+            handler = self.server.RequestHandlerClass
+
+            def do_POST(h):
+                h.rfile.read(int(h.headers["Content-Length"]))
+                h.send_response(200)
+                h.send_header("Content-Type", "application/json")
+                h.send_header("Content-Length", "1000")
+                h.end_headers()
+                for _ in range(30):  # 30 s, one byte a second
+                    try:
+                        h.wfile.write(b" ")
+                        h.wfile.flush()
+                    except OSError:
+                        return
+                    time.sleep(1)
+
+            handler.do_POST = do_POST
+
+    trickle = Trickle()
+    try:
+        with TestClient(disagg_proxy.build_app(trickle.url, trickle.url, timeout_s=2)) as client:
+            t0 = time.monotonic()
+            error = _assert_openai_error(client.post("/v1/completions", json=BODY), 502)
+            assert "within 2 s" in error["message"] and time.monotonic() - t0 < 10
+    finally:
+        trickle.stop()
+    monkeypatch.setattr(disagg_proxy, "MAX_PREFILL_ANSWER_BYTES", 1000)
+    huge = servers("backend", reply=_reply_with(200, b'{"pad": "' + b"x" * 5000 + b'"}'))
+    with _proxy(huge, servers("backend", reply=_prefill_ok)) as client:
+        error = _assert_openai_error(client.post("/v1/completions", json=BODY), 502)
+    assert "over 1000 bytes" in error["message"]

@@ -287,3 +287,45 @@ def test_an_encoder_only_instance_refuses_a_kv_connector(tmp_path_factory, tmp_p
            "ec_connector_extra_config": {"shared_storage_path": str(tmp_path / "ec")}}  # fmt: skip
     with pytest.raises(ValueError, match="ec_role is ec_producer.*no KV cache"):
         LLM(ckpt, dtype="float32", max_model_len=256, kv_transfer_config=kvt, ec_transfer_config=ect)
+
+
+# --- 8: a decode server that is down, fails or answers garbage frees the producer's blocks at once ---
+
+
+def test_a_decode_server_that_takes_nothing_frees_the_producers_blocks(tmp_path_factory):
+    "Down (503), a 500, or a 200 that is not JSON: each was a request whose blocks the producer kept 120 s."
+    from fastapi.testclient import TestClient
+    from test_disagg_proxy import _Backend, _free_port, _reply_with, disagg_proxy  # tests/ is on sys.path
+    from test_server import API_KEY, Server
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    kvt = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_port": get_open_port()}
+    args = EngineArgs(model=path, dtype="float32", max_model_len=128, block_size=16,
+                      kv_cache_memory_bytes=1 << 20, kv_transfer_config=kvt)  # fmt: skip
+    prod = Server(AsyncLLM.from_engine_args(args, enable_multiprocessing=False))
+    failing = _Backend(reply=_reply_with(500, b"Internal Server Error", "text/plain"))
+    garbage = _Backend(reply=_reply_with(200, b"<html>", "text/html"))
+    try:
+        scheduler = prod.engine.engine_core.scheduler
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        for decode, status in (
+            (f"http://127.0.0.1:{_free_port()}", 503),
+            (failing.url, 500),
+            (garbage.url, 502),
+        ):
+            with TestClient(disagg_proxy.build_app(prod.url, decode)) as proxy:
+                for stream in (False, True) if status != 502 else (False,):  # a 200 stream is relayed as is
+                    r = proxy.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                   json={"model": "tiny", "prompt": list(range(5, 45)), "max_tokens": 4,
+                                         "stream": stream})  # fmt: skip
+                    assert r.status_code == status, r.text
+            assert _wait(lambda: not scheduler.delayed_free_req_ids, 10), f"held after a {status}"
+        prod.wait_idle()
+        assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    finally:
+        failing.stop()
+        garbage.stop()
+        prod.stop()
