@@ -172,20 +172,13 @@ def test_a_salt_that_spells_an_adapter_is_no_adapter(lora_setup, kind):
 
 def test_a_prompt_too_long_for_the_decode_server_frees_the_producers_blocks(tmp_path_factory):
     "The decode server's max_model_len is 64, the prompt 100 tokens: the proxy releases via DONE itself."
-    import importlib.util
-    from pathlib import Path
-
     from fastapi.testclient import TestClient
-    from test_server import API_KEY, Server  # tests/ is on sys.path
+    from test_disagg_proxy import disagg_proxy  # tests/ is on sys.path: the proxy, loaded once
+    from test_server import API_KEY, Server
 
     from minivllm.engine.arg_utils import EngineArgs
     from minivllm.v1.engine.async_llm import AsyncLLM
 
-    spec = importlib.util.spec_from_file_location(
-        "disagg_proxy", Path(__file__).resolve().parents[1] / "examples" / "disagg_proxy.py"
-    )
-    disagg_proxy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(disagg_proxy)
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
 
     def server(kvt, max_model_len):
@@ -232,21 +225,14 @@ def _generated(server) -> float:
 
 def test_a_client_that_leaves_the_proxy_aborts_its_decode(tmp_path_factory):
     "Non-streamed, 3000 tokens asked, the client gives up after 0.5 s: the decode server must not finish it."
-    import importlib.util
-    from pathlib import Path
-
     import httpx
-    from test_server import API_KEY, Server  # tests/ is on sys.path
+    from test_disagg_proxy import disagg_proxy  # tests/ is on sys.path: the proxy, loaded once
+    from test_server import API_KEY, Server
 
     from minivllm.engine.arg_utils import EngineArgs
     from minivllm.entrypoints.openai.api_server import ServerThread
     from minivllm.v1.engine.async_llm import AsyncLLM
 
-    spec = importlib.util.spec_from_file_location(
-        "disagg_proxy", Path(__file__).resolve().parents[1] / "examples" / "disagg_proxy.py"
-    )
-    disagg_proxy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(disagg_proxy)
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), max_position_embeddings=8192)
 
     def server(kvt):
