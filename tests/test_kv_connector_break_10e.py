@@ -224,7 +224,8 @@ def test_unread_reads_get_one_copy_per_connection_and_a_freed_request_is_refused
         for sock in others:
             sock.send_multipart([b"READ", read])
         kinds = [_replies(sock, 1)[0][0] for sock in others]
-        assert kinds == [b"OK"] * (_MAX_READERS - 1) + [b"ERROR"]  # at most _MAX_READERS connections
+        # at most _MAX_READERS connections (the flood's is one); which is refused depends on arrival order
+        assert sorted(kinds) == sorted([b"OK"] * (_MAX_READERS - 1) + [b"ERROR"]), kinds
         flood.send_multipart([b"DONE", read])
         assert _replies(flood, 1)[0][0] == b"ACK"
         late = _dealer(ctx, port)
