@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
+from test_kv_connector_pd import _count_scheduled  # the same counter (tests/ is on sys.path)
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import KVTransferConfig
@@ -75,19 +76,6 @@ def _scheduler(llm):
 
 def _free_blocks(llm) -> int:
     return _scheduler(llm).kv_cache_manager.block_pool.get_num_free_blocks()
-
-
-def _count_scheduled(llm) -> list:
-    scheduler = _scheduler(llm)
-    counts, schedule = [], scheduler.schedule
-
-    def counting():
-        so = schedule()
-        counts.append(so.total_num_scheduled_tokens)
-        return so
-
-    scheduler.schedule = counting
-    return counts
 
 
 def _prefill(prod, prompt=PROMPT) -> dict:
