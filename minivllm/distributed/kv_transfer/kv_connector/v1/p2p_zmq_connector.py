@@ -588,8 +588,14 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict, ident: bytes = 
     if refusal is not None:
         return _reply(b"ERROR", tag, error=refusal)
     index = torch.tensor(ids, dtype=torch.long)
-    # device to host first: .numpy() refuses a CUDA tensor (a no-op copy on a CPU cache)
-    frames = [cache[:, index.to(cache.device)].to("cpu").contiguous() for cache in self.kv_caches.values()]
+    # a DONE or the deadline may free the blocks meanwhile: copy them before that can be reported
+    with self._lock:
+        if rid not in self._to_send:
+            return _reply(b"ERROR", tag, error=f"request {rid} was released: nothing held")
+        # device to host first: .numpy() refuses a CUDA tensor (a no-op copy on a CPU cache)
+        frames = [
+            cache[:, index.to(cache.device)].to("cpu").contiguous() for cache in self.kv_caches.values()
+        ]
     header = {"layers": list(self.kv_caches), "shape": list(frames[0].shape), "dtype": str(frames[0].dtype)}
     return _reply(b"OK", tag, *(memoryview(f.view(torch.uint8).numpy()) for f in frames), **header)
 
