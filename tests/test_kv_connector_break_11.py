@@ -11,11 +11,11 @@ import time
 from types import SimpleNamespace
 
 import torch
+from test_kv_connector_break_10e import free_port  # tests/ is on sys.path
 
 from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from minivllm.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector import P2pZmqConnector
-from test_kv_connector_break_10e import free_port  # tests/ is on sys.path
 
 
 def test_a_request_freed_between_the_checks_and_the_copy_is_not_served():
