@@ -125,16 +125,23 @@ def check_request_fields(request: Any) -> ErrorResponse | None:
 # %% ../../../nbs/55_serving_engine.ipynb #222fbd60
 def drop_unservable_remote_decode(request: Any, num_prompts: int = 1) -> None:
     """Turn `request.kv_transfer_params["do_remote_decode"]` off (warning) when the request makes more than
-    one engine request (`num_prompts` > 1 or `n` > 1): one response cannot name several sets of held blocks.
-    Source: vLLM v0.15 entrypoints/openai/serving_completion.py (one `kv_transfer_params` per response)."""
+    one engine request (`num_prompts` > 1 or `n` > 1): one response cannot name several sets of held blocks;
+    or when it is streamed (`stream`): its chunks name none. Source: vLLM v0.15
+    entrypoints/openai/serving_completion.py (one `kv_transfer_params` per non-streamed response)."""
     params = getattr(request, "kv_transfer_params", None)
     n = getattr(request, "n", 1) or 1
-    if not isinstance(params, dict) or not params.get("do_remote_decode") or num_prompts * n == 1:
+    stream = getattr(request, "stream", False) is True
+    if (
+        not isinstance(params, dict)
+        or not params.get("do_remote_decode")
+        or (num_prompts * n == 1 and not stream)
+    ):
         return
     logger.warning(
         "kv_transfer_params.do_remote_decode asks a producer to hold one request's KV for a consumer, but "
-        "this request has %d prompt(s) and n=%d (one response names one transfer); computing it without",
-        num_prompts, n,
+        "this request has %d prompt(s), n=%d and stream=%s (one non-streamed response names one transfer); "
+        "computing it without",
+        num_prompts, n, stream,
     )  # fmt: skip
     request.kv_transfer_params = dict(params, do_remote_decode=False)
 
