@@ -45,7 +45,9 @@ class RecvReqMeta:
     """One pull: `local_block_ids[i]` receives the producer's `remote_block_ids[i]`. `remote_tp_size` is the
     producer's tensor-parallel size when it differs from ours (0: the same): then nothing is read, and the
     producer ranks this rank stands for hear `DONE`. `digest` names the prompt this request wants KV for
-    (`prompt_digest`): the producer serves only a request whose prompt is the one it computed."""
+    (`prompt_digest`): the producer serves only a request whose prompt is the one it computed. `first_block`:
+    where `remote_block_ids` start in the producer's list (the blocks before came from our prefix cache); the
+    producer serves only its own blocks from there, in order."""
 
     local_block_ids: list[int]
     remote_block_ids: list[int]
@@ -55,6 +57,7 @@ class RecvReqMeta:
     remote_port: int
     remote_tp_size: int = 0
     digest: str = ""
+    first_block: int = 0
 
 
 @dataclass
@@ -166,6 +169,7 @@ class P2pZmqConnectorScheduler:
             int(params.get("remote_port", 0)),
             remote_tp_size,
             prompt_digest(request),
+            first_block=first,
         )
         params["do_remote_prefill"] = False
 
@@ -327,6 +331,8 @@ class _Peer:
     monitor: Any
     connected: bool = False
     pulls: dict[str, _Pull] = field(default_factory=dict)
+    sent: int = 0  # messages sent to it
+    answers: int = 0  # answers read from it (one per message sent, from a producer that keeps the protocol)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #529a817c
 class P2pZmqConnectorWorker:
@@ -579,11 +585,17 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict, ident: bytes = 
     ids = msg.get("block_ids", [])
     if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         return _reply(b"ERROR", tag, error="block_ids must be a list of ints")
-    if len(set(ids)) != len(ids):  # a repeated id would make the reply (and its copy) as large as asked
-        return _reply(b"ERROR", tag, error="block_ids must not repeat a block")
-    held = set(entry[0])
-    if not set(ids) <= held:
-        return _reply(b"ERROR", tag, error=f"blocks {sorted(set(ids) - held)} are not held for request {rid}")
+    first = msg.get("first", 0)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        return _reply(b"ERROR", tag, error="first must be an int >= 0 (the position of block_ids[0])")
+    held = entry[0]
+    if not set(ids) <= set(held):
+        return _reply(
+            b"ERROR", tag, error=f"blocks {sorted(set(ids) - set(held))[:16]} are not held for request {rid}"
+        )
+    if ids != held[first : first + len(ids)]:  # reordered, shifted or repeated: frame i fills local block i
+        error = f"block_ids must be request {rid}'s blocks from position {first}, in order, none repeated"
+        return _reply(b"ERROR", tag, error=error)
     refusal = self._refuse_reader(rid, ident)
     if refusal is not None:
         return _reply(b"ERROR", tag, error=refusal)
@@ -709,9 +721,7 @@ def _start_pull(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) -> 
         self._report(pull, 0, f"cannot connect to {addr}: {e}")
         return
     reading = _reading(peer, recv)
-    if reading is not None and (
-        not n or (n == reading.n and recv.remote_block_ids[:n] == reading.recv.remote_block_ids[:n])
-    ):
+    if reading is not None and (not n or _same_blocks(reading, recv, n)):
         if n:  # a sibling of a request already reading these blocks: that answer fills its blocks too
             reading.readers[req_id] = list(recv.local_block_ids)
         else:  # nothing to read; the pull in flight says DONE when it ends (a DONE now would free its blocks)
@@ -722,6 +732,12 @@ def _start_pull(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) -> 
         self._send(peer, pull, b"READ", block_ids=recv.remote_block_ids[:n])
     else:
         self._finish(peer, pull, 0, None if not recv.local_block_ids else "the producer holds no blocks")
+
+
+def _same_blocks(pull: _Pull, recv: RecvReqMeta, n: int) -> bool:
+    "Whether `recv` would read the `n` blocks `pull` reads (the same ones from the same position)."
+    same_start = recv.first_block == pull.recv.first_block
+    return n == pull.n and same_start and recv.remote_block_ids[:n] == pull.recv.remote_block_ids[:n]
 
 
 def _reading(peer: _Peer, recv: RecvReqMeta) -> _Pull | None:
@@ -757,10 +773,11 @@ def _release_ranks(self: P2pZmqConnectorWorker, req_id: str, recv: RecvReqMeta) 
 def _send(self: P2pZmqConnectorWorker, peer: _Peer, pull: _Pull, kind: bytes, **fields: Any) -> None:
     recv = pull.recv
     msg = {"req_id": recv.remote_request_id, "tag": pull.req_id, "engine_id": recv.remote_engine_id,
-           "digest": recv.digest}  # fmt: skip
+           "digest": recv.digest, "first": recv.first_block}  # fmt: skip
     msg.update(fields)
     try:
         peer.sock.send_multipart([kind, json.dumps(msg).encode()], zmq.NOBLOCK)
+        peer.sent += 1  # the producer answers each message once: more answers than this is a flood
     except zmq.ZMQError as e:  # the socket's queue is full: the peer is not reading
         if pull.phase == "read":
             self._report(pull, 0, f"cannot send to {peer.addr}: {e}")
@@ -856,12 +873,22 @@ def _on_monitor(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
             self._fail_peer(peer, why)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #6c5593bd
+_MAX_ANSWERS_PER_POLL = 64  # answers read from one peer before the pull loop looks at the rest
+
+
 @patch
 def _on_reply(self: P2pZmqConnectorWorker, peer: _Peer) -> None:
-    while self._owner.get(peer.sock) is peer:
+    for _ in range(_MAX_ANSWERS_PER_POLL):  # then back to the loop: other peers, new pulls, deadlines
+        if self._owner.get(peer.sock) is not peer:
+            return
         try:
             frames = peer.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
+            return
+        peer.answers += 1
+        if peer.answers > peer.sent:  # answers nobody asked for: a flood would hold this thread for good
+            self._count("p2p_bad_answers")
+            self._fail_peer(peer, f"{peer.answers} answers to {peer.sent} messages (the protocol: one each)")
             return
         kind, head = frames[0].bytes, _read_head(frames)
         tag = head.get("tag") if isinstance(head, dict) else None
