@@ -101,7 +101,9 @@ def tiny(tmp_path_factory):
 
 
 # gemma3: a sliding-window KV cache group next to a full one, so two slot mappings to pad
-@pytest.mark.parametrize("mode,arch", [("FULL_DECODE_ONLY", "qwen3"), ("FULL", "qwen3"), ("FULL", "gemma3")])
+@pytest.mark.parametrize("mode,arch", [("FULL_DECODE_ONLY", "qwen3"),  # FULL: 14 s each on a 2-core CPU
+                                       pytest.param("FULL", "qwen3", marks=pytest.mark.slow),
+                                       pytest.param("FULL", "gemma3", marks=pytest.mark.slow)])
 def test_fake_cudagraph_replay_equals_eager(tmp_path_factory, monkeypatch, mode, arch):
     if torch.cuda.is_available(): pytest.skip("the real thing runs in tests/test_triton_attention.py")
     tiny = checkpoint(arch, tmp_path_factory)

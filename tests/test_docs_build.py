@@ -256,6 +256,7 @@ def test_cache_key_and_outputs():
     assert got["cells"][1]["outputs"] == [out] and got["cells"][2]["outputs"] == [] and nb["cells"][1]["outputs"] == []
 
 
+@pytest.mark.slow  # 10 s (it executes a chapter twice); `make test-slow`
 def test_build_executes_caches_and_keeps_notebooks_clean(tmp_path):
     "Outputs (slow cells too, `eval: false` skipped) go on the page, not into the notebook; a rebuild hits the cache."
     repo = _repo(tmp_path / "repo")

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# 100 s on a 2-core AVX2 CPU (it builds the site and starts Chromium): `make test-slow` runs it
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `tools.docs` is not installed: import it from the repo root
 

@@ -65,6 +65,7 @@ def test_converted_checkpoint_layout(default_path):
     assert gen["eos_token_id"] == tok.eos_token_id == 2 and gen["bos_token_id"] == 1
 
 
+@pytest.mark.slow  # 22 s; the embedded model's chat equals transformers in test_llm_equivalence.py
 def test_greedy_matches_transformers_gguf_model(default_path):
     "Our model on the converted folder (float32, paged path) generates what transformers' GGUF-loaded model does."
     from transformers import AutoModelForCausalLM, AutoTokenizer

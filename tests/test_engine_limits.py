@@ -55,6 +55,7 @@ LARGE_N_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 20 s on a 2-core CPU; `make test-slow`
 def test_thousands_of_samples_complete_through_the_process_split(ckpt, tmp_path):
     # With ZMQ's default high-water mark (1000) the client's ROUTER dropped child requests past ~2000 queued
     # ones and generate() waited forever (the AsyncLLM at n=3000; the LLM at n=20000). A subprocess with a

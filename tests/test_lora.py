@@ -134,7 +134,8 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+# "mixed" for every model here; the other settings (5-8 s each on a 2-core CPU) in `make test-slow`
+@pytest.mark.parametrize("setting", ["mixed", *(pytest.param(s, marks=pytest.mark.slow) for s in list(SETTINGS)[1:])])
 def test_mixed_batch_equals_peft(case, setting, monkeypatch):
     "Three adapters and the base model in the same steps (max_loras=3 slots), token for token."
     monkeypatch.setenv("MINIVLLM_CHECK_INVARIANTS", "1")

@@ -103,7 +103,7 @@ def _kill(pids) -> None:
             pass
 
 
-@pytest.mark.parametrize("how", ["stdin", "file"])
+@pytest.mark.parametrize("how", [pytest.param("stdin", marks=pytest.mark.slow), "file"])  # stdin: 16 s
 def test_guardless_script_forks_and_matches_in_process(ckpt, tmp_path, how):
     script = GUARDLESS.format(ckpt=ckpt)
     if how == "stdin":  # python - <<EOF
@@ -231,7 +231,7 @@ print("built", flush=True)
 """
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("method", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
 def test_a_stdin_script_under_spawn_is_refused_naming_the_real_cause(ckpt, tmp_path, method):
     r = subprocess.run(
         [sys.executable, "-"],
@@ -285,7 +285,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)]  # spawn: 3 interpreters
+    "method", ["fork", *(pytest.param(m, marks=pytest.mark.slow) for m in ("forkserver", "spawn"))]  # 23 s, 3 interpreters
 )
 def test_every_start_method_starts_and_dies_with_its_front_end(ckpt, tmp_path, method):
     # short: the fork server binds an AF_UNIX socket in $TMPDIR (108 bytes at most); removed below

@@ -24,6 +24,7 @@ def _run(cmd: list[str], tmpdir: Path) -> None:
 
 
 @pytest.mark.skipif(not (BIN / "nbdev_test").exists(), reason="needs nbdev_test beside this python")
+@pytest.mark.slow  # 40 s on a 2-core CPU (it runs notebooks and tests again); `make test-slow`
 def test_a_representative_set_leaves_no_minivllm_entries(tmp_path):
     tmpdir = Path(tempfile.mkdtemp(prefix="mvt-"))  # short: IPC socket paths must stay under 108 bytes
     try:

@@ -30,6 +30,7 @@ def _france_after_hi(dtype: str, enable_prefix_caching: bool):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # 23 s on a 2-core AVX2 CPU; prefix caching's token equality stays in test_llm_equivalence.py
 def test_cached_prefix_is_exact_in_float32():
     cached, n_cached = _france_after_hi("float32", True)
     fresh, n_fresh = _france_after_hi("float32", False)
@@ -40,7 +41,7 @@ def test_cached_prefix_is_exact_in_float32():
             assert abs(lp.logprob - b[tid].logprob) < 2e-3
 
 
-@pytest.mark.slow  # 30 s on a 2-core CPU; the float32 exactness test above stays in the default suite
+@pytest.mark.slow  # 30 s on a 2-core CPU
 def test_cached_prefix_moves_bfloat16_logits_by_about_one_step():
     cached, n_cached = _france_after_hi("bfloat16", True)
     fresh, _ = _france_after_hi("bfloat16", False)

@@ -360,7 +360,7 @@ def _long_stream(port: int, got: dict) -> None:
         got["error"] = repr(e)
 
 
-@pytest.mark.parametrize("second_signal", [False, True])
+@pytest.mark.parametrize("second_signal", [False, pytest.param(True, marks=pytest.mark.slow)])  # 14 s each
 def test_sigterm_drain_is_bounded(tmp_path, second_signal):
     """With --shutdown-timeout 1 a 4000-token stream is cut about a second after SIGTERM; with a long timeout
     a second SIGTERM cuts it at once. Either way the server exits cleanly and removes its IPC files."""
