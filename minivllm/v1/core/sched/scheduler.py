@@ -918,6 +918,8 @@ def update_from_output(
             self._grammar_dead_ends.discard(rid)
             n = request.num_output_tokens
             message = f"structured_outputs: after {n} generated token(s) the constraint allows no next token"
+            if request.status == RequestStatus.PREEMPTED:  # preempted while this step ran (async scheduling)
+                self.waiting.remove_requests([request])
             self._finish_with_error(request, message)
             continue
         new_token_ids = list(sampled[req_index]) if sampled else []
@@ -939,8 +941,7 @@ def update_from_output(
         if output is not None:
             outputs[request.client_index].append(output)
     if stopped:
-        ids = {id(r) for r, _ in stopped}
-        self.running = [r for r in self.running if id(r) not in ids]
+        self._remove_stopped(stopped)
         for request, output in stopped:
             kv_transfer_params = self._free_request(request)
             if output is not None:
@@ -949,6 +950,20 @@ def update_from_output(
         self._update_from_kv_xfer_finished(kv_out)
     self._publish_kv_events(kv_out)
     return self._make_engine_core_outputs(outputs)
+
+
+@patch
+def _remove_stopped(self: Scheduler, stopped: list) -> None:
+    """Take the requests that stopped this step out of their queue: `running`, or `waiting` for one preempted
+    while the step computing its last token was in flight (async scheduling keeps that token, so the request
+    ends in the queue it was moved to). Source: vLLM v0.15 v1/core/sched/scheduler.py `update_from_output`
+    (`stopped_preempted_reqs`)."""
+    ids = {id(r) for r, _ in stopped}
+    kept = [r for r in self.running if id(r) not in ids]
+    if len(self.running) - len(kept) < len(ids):
+        in_running = {id(r) for r in self.running}
+        self.waiting.remove_requests([r for r, _ in stopped if id(r) not in in_running])
+    self.running = kept
 
 
 @patch
