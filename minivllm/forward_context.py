@@ -5,6 +5,7 @@
 # %% ../nbs/09_forward_context.ipynb #ffaf58d9
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,21 +32,22 @@ class ForwardContext:
     cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
 
 
-_forward_context: ForwardContext | None = None
+_state = threading.local()  # .context: this thread's ForwardContext (one per engine thread, see above)
 
 
 def get_forward_context() -> ForwardContext:
-    "The current context; raises `RuntimeError` outside `set_forward_context`."
-    if _forward_context is None:
+    "The current thread's context; raises `RuntimeError` outside `set_forward_context`."
+    context = getattr(_state, "context", None)
+    if context is None:
         raise RuntimeError(
             "get_forward_context() called outside set_forward_context(); attention layers "
             "must run inside the model runner's forward pass."
         )
-    return _forward_context
+    return context
 
 
 def is_forward_context_available() -> bool:
-    return _forward_context is not None
+    return getattr(_state, "context", None) is not None
 
 
 @contextmanager
@@ -59,12 +61,11 @@ def set_forward_context(
     cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
 ):
     "Publish the per-layer metadata for the duration of one forward pass (restores the previous one after)."
-    global _forward_context
-    prev = _forward_context
-    _forward_context = ForwardContext(
+    prev = getattr(_state, "context", None)
+    _state.context = ForwardContext(
         attn_metadata, slot_mapping or {}, virtual_engine, batch_descriptor, cudagraph_runtime_mode
     )
     try:
-        yield _forward_context
+        yield _state.context
     finally:
-        _forward_context = prev
+        _state.context = prev
