@@ -425,8 +425,10 @@ class KVTransferConfig:
     """The KV connector of an engine. `kv_connector`: a registered name (KVConnectorFactory) or a class in
     `kv_connector_module_path`; `kv_role`: one of `KV_ROLES` (required with a connector); `engine_id`: this
     instance's id in transfers (a fresh uuid by default); `kv_ip` / `kv_port`: where a transfer connector
-    listens; `kv_connector_extra_config`: connector-specific settings. Raises `ValueError` naming the field.
-    Source: vLLM v0.15 config/kv_transfer.py `KVTransferConfig`."""
+    listens; `kv_connector_extra_config`: connector-specific settings. `instance_id` (not an argument): fresh
+    for each config built, so for each start of an engine, and travelling with the config to its processes;
+    the P2P connector adds it to `engine_id` to tell a restarted engine from the one before (minivllm's own).
+    Raises `ValueError` naming the field. Source: vLLM v0.15 config/kv_transfer.py `KVTransferConfig`."""
 
     kv_connector: str | None = None
     kv_role: str | None = None
@@ -437,6 +439,9 @@ class KVTransferConfig:
     kv_port: int = 14579
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_connector_module_path: str | None = None
+    instance_id: str = field(
+        default_factory=lambda: uuid.uuid4().hex[:12], init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         if self.engine_id is None:
@@ -494,7 +499,7 @@ def config_from_json(cls: type, text: str | dict, flag: str) -> Any:
             raise ValueError(f"{flag} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{flag} must be a JSON object")
-    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    unknown = sorted(set(data) - {f.name for f in fields(cls) if f.init})  # instance_id is not an argument
     if unknown:
         raise ValueError(f"{flag} has unknown keys {unknown}")
     return cls(**data)

@@ -21,7 +21,6 @@ import zmq
 from test_kv_connector_pd import _count_scheduled  # the same counter (tests/ is on sys.path)
 
 from minivllm import LLM, SamplingParams
-from minivllm.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector import prompt_digest
 from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
 from minivllm.testing import make_tiny_checkpoint
 from minivllm.v1.executor.multiproc_executor import get_open_port
@@ -154,7 +153,7 @@ def test_producer_refuses_repeated_block_ids(ckpt):
 
         def read(block_ids):
             msg = {"req_id": params["remote_request_id"], "tag": "t", "block_ids": block_ids,
-                   "digest": prompt_digest(SimpleNamespace(prompt_token_ids=PROMPT, num_prompt_tokens=len(PROMPT)))}  # fmt: skip
+                   "digest": params["prompt_digest"]}  # fmt: skip
             sock.send_multipart([b"READ", json.dumps(msg).encode()])
             assert sock.poll(10_000), "the producer did not answer"
             return sock.recv_multipart()
@@ -641,7 +640,6 @@ def test_engine_core_yields_while_only_waiting_for_remote_kv():
     timeouts fired after 41 s. A step that ran no model while requests remain sleeps 1 ms (vLLM v0.15
     v1/engine/core.py `EngineCoreProc._process_engine_step`): such steps are at most one a millisecond."""
     import queue
-    from types import SimpleNamespace
 
     from minivllm.v1.engine.core import EngineCoreProc
 

@@ -5,6 +5,7 @@
 # %% ../../../nbs/47h_ec_transfer_state.ipynb #016ec7ff
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .ec_connector.base import ECConnectorBase, ECConnectorRole
@@ -14,35 +15,46 @@ from .ec_connector.factory import ECConnectorFactory
 __all__ = ['get_ec_transfer', 'has_ec_transfer', 'set_ec_transfer', 'ensure_ec_transfer_initialized']
 
 # %% ../../../nbs/47h_ec_transfer_state.ipynb #9c0447b6
-_EC_CONNECTOR_AGENT: ECConnectorBase | None = None
+_EC_CONNECTOR_AGENT: ECConnectorBase | None = None  # the process's: the last one built or set
+_THIS_THREAD = threading.local()  # .agent: the one set on this thread (by a step), which shadows it
+_UNSET = object()
+
+
+def _current() -> ECConnectorBase | None:
+    agent = getattr(_THIS_THREAD, "agent", _UNSET)
+    return _EC_CONNECTOR_AGENT if agent is _UNSET else agent
 
 
 def get_ec_transfer() -> ECConnectorBase:
-    """The worker-side EC connector of this process; `RuntimeError` when none is set.
+    """The worker-side EC connector set on this thread, else the process's; `RuntimeError` when none is set.
     Source: vLLM v0.15 distributed/ec_transfer/ec_transfer_state.py `get_ec_transfer`."""
-    if _EC_CONNECTOR_AGENT is None:
+    agent = _current()
+    if agent is None:
         raise RuntimeError("no EC connector in this process (ec_transfer_config is not set)")
-    return _EC_CONNECTOR_AGENT
+    return agent
 
 
 def has_ec_transfer() -> bool:
-    return _EC_CONNECTOR_AGENT is not None
+    return _current() is not None
 
 
 def set_ec_transfer(connector: ECConnectorBase | None) -> None:
-    "Make `connector` (or None) the current one: a runner activates its own before each step."
+    """Make `connector` (or None) the current one, of the process and of this thread: a runner activates its
+    own before each step (two engines stepping at once on two threads each keep theirs, as on the KV side)."""
     global _EC_CONNECTOR_AGENT
     _EC_CONNECTOR_AGENT = connector
+    _THIS_THREAD.agent = connector
 
 
 def ensure_ec_transfer_initialized(vllm_config: Any) -> ECConnectorBase | None:
     """Build the WORKER connector of `vllm_config.ec_transfer_config` (if it names one) and make it current;
     returns it, or None without a connector. The current one is kept when it belongs to this config.
     Source: vLLM v0.15 ec_transfer_state.py `ensure_ec_transfer_initialized`."""
-    global _EC_CONNECTOR_AGENT
     cfg = getattr(vllm_config, "ec_transfer_config", None)
     if cfg is None or not cfg.is_ec_transfer_instance:
         return None
-    if _EC_CONNECTOR_AGENT is None or _EC_CONNECTOR_AGENT._vllm_config is not vllm_config:
-        _EC_CONNECTOR_AGENT = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.WORKER)
-    return _EC_CONNECTOR_AGENT
+    agent = _current()
+    if agent is None or agent._vllm_config is not vllm_config:
+        agent = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.WORKER)
+    set_ec_transfer(agent)
+    return agent

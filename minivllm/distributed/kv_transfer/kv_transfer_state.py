@@ -5,34 +5,46 @@
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #6c25d6fe
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .kv_connector.factory import KVConnectorFactory
 from .kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 # %% auto #0
-__all__ = ['get_kv_transfer_group', 'has_kv_transfer_group', 'get_kv_transfer_group_or_none', 'ensure_kv_transfer_initialized',
+__all__ = ['get_kv_transfer_group_or_none', 'get_kv_transfer_group', 'has_kv_transfer_group', 'ensure_kv_transfer_initialized',
            'set_kv_transfer_group', 'ensure_kv_transfer_shutdown', 'wait_for_kv_layer_from_connector',
            'maybe_save_kv_layer_to_connector']
 
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #f97e12d1
-_KV_CONNECTOR_AGENT: KVConnectorBase_V1 | None = None
-
-
-def get_kv_transfer_group() -> KVConnectorBase_V1:
-    """The worker-side connector of this process; `RuntimeError` when none was initialised.
-    Source: vLLM v0.15 distributed/kv_transfer/kv_transfer_state.py `get_kv_transfer_group`."""
-    if _KV_CONNECTOR_AGENT is None:
-        raise RuntimeError("no KV connector in this process (kv_transfer_config is not set)")
-    return _KV_CONNECTOR_AGENT
-
-
-def has_kv_transfer_group() -> bool:
-    return _KV_CONNECTOR_AGENT is not None
+_KV_CONNECTOR_AGENT: KVConnectorBase_V1 | None = None  # the process's connector: the last one built or set
+_THIS_THREAD = threading.local()  # .agent: the one set on this thread (by a step), which shadows it
+_UNSET = object()
 
 
 def get_kv_transfer_group_or_none() -> KVConnectorBase_V1 | None:
-    return _KV_CONNECTOR_AGENT
+    "The connector set on this thread, else the process's (None when there is none)."
+    agent = getattr(_THIS_THREAD, "agent", _UNSET)
+    return _KV_CONNECTOR_AGENT if agent is _UNSET else agent
+
+
+def get_kv_transfer_group() -> KVConnectorBase_V1:
+    """The worker-side connector of this process (of this thread's engine, see above); `RuntimeError` when
+    none was initialised. Source: vLLM v0.15 distributed/kv_transfer/kv_transfer_state.py."""
+    agent = get_kv_transfer_group_or_none()
+    if agent is None:
+        raise RuntimeError("no KV connector in this process (kv_transfer_config is not set)")
+    return agent
+
+
+def has_kv_transfer_group() -> bool:
+    return get_kv_transfer_group_or_none() is not None
+
+
+def _set_agent(connector: KVConnectorBase_V1 | None) -> None:
+    global _KV_CONNECTOR_AGENT
+    _KV_CONNECTOR_AGENT = connector
+    _THIS_THREAD.agent = connector
 
 
 def ensure_kv_transfer_initialized(
@@ -42,40 +54,40 @@ def ensure_kv_transfer_initialized(
     process's connector; returns it, or None without a connector. An existing connector of the same config
     is kept; one of another engine's config is replaced (several engines in one process, as in tests).
     Source: vLLM v0.15 kv_transfer_state.py `ensure_kv_transfer_initialized`."""
-    global _KV_CONNECTOR_AGENT
     cfg = getattr(vllm_config, "kv_transfer_config", None)
     if cfg is None or not cfg.kv_connector:
         return None
-    if _KV_CONNECTOR_AGENT is None or _KV_CONNECTOR_AGENT._vllm_config is not vllm_config:
-        _KV_CONNECTOR_AGENT = KVConnectorFactory.create_connector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-    return _KV_CONNECTOR_AGENT
+    agent = get_kv_transfer_group_or_none()
+    if agent is None or agent._vllm_config is not vllm_config:
+        agent = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    _set_agent(agent)
+    return agent
 
 
 def set_kv_transfer_group(connector: KVConnectorBase_V1 | None) -> None:
-    """Make `connector` (or None) this process's current connector: a runner activates its own before each
-    step, so two engines in one process never see each other's."""
-    global _KV_CONNECTOR_AGENT
-    _KV_CONNECTOR_AGENT = connector
+    """Make `connector` (or None) the current connector, of the process and of this thread: a runner activates
+    its own before each step, so two engines in one process never see each other's, even stepping at once
+    on two threads (an async engine steps on its executor's thread)."""
+    _set_agent(connector)
 
 
 def ensure_kv_transfer_shutdown() -> None:
-    "Shut the worker connector down and forget it (the worker calls it when it stops)."
-    global _KV_CONNECTOR_AGENT
-    if _KV_CONNECTOR_AGENT is not None:
-        _KV_CONNECTOR_AGENT.shutdown()
-    _KV_CONNECTOR_AGENT = None
+    "Shut the current worker connector down and forget it (the worker calls it when it stops)."
+    agent = get_kv_transfer_group_or_none()
+    if agent is not None:
+        agent.shutdown()
+    _set_agent(None)
 
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #9d241dc6
 def _bound_connector() -> KVConnectorBase_V1 | None:
-    if _KV_CONNECTOR_AGENT is None or not _KV_CONNECTOR_AGENT.has_connector_metadata():
+    agent = get_kv_transfer_group_or_none()
+    if agent is None or not agent.has_connector_metadata():
         return None
     from minivllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available() or get_forward_context().attn_metadata is None:
         return None
-    return _KV_CONNECTOR_AGENT
+    return agent
 
 
 def wait_for_kv_layer_from_connector(layer_name: str) -> None:

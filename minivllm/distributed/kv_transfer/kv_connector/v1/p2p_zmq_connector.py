@@ -36,7 +36,7 @@ from .....v1.request import RequestStatus
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'RecvReqMeta', 'P2pZmqConnectorMetadata', 'prompt_digest', 'P2pZmqConnectorScheduler',
+__all__ = ['logger', 'RecvReqMeta', 'P2pZmqConnectorMetadata', 'prompt_digest', 'weights_tag', 'P2pZmqConnectorScheduler',
            'P2pZmqConnectorWorker', 'P2pZmqConnector', 'release_remote_blocks']
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #f2fbdef3
@@ -119,15 +119,35 @@ def _seconds_from_config(kvt: Any, key: str, default: float) -> float:
     return value
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #0f10b687
-def prompt_digest(request: Any) -> str:
+def prompt_digest(request: Any, weights: str = "") -> str:
     """Hex sha256 (CBOR) of what a request's prompt KV is computed from: its prompt token ids, the extra
     keys of `generate_block_hash_extra_keys` over the whole prompt (LoRA name, multimodal identifiers,
-    cache salt, prompt-embedding hash) and `connector_salt` (the LoRA adapter's content, chapter 47c).
-    Equal on producer and consumer exactly when both hold the same prompt.
-    Source: minivllm's own (vLLM's NIXL connector trusts the proxy's pairing)."""
+    cache salt, prompt-embedding hash), `connector_salt` (the LoRA adapter's content, chapter 47c) and
+    `weights` (the engine's `weights_tag`). Equal on producer and consumer exactly when both hold the same
+    prompt for the same weights. Source: minivllm's own (vLLM's NIXL handshake compares a compatibility hash
+    of model and layout; its per-request pairing is trusted to the proxy)."""
     keys, _ = generate_block_hash_extra_keys(request, 0, request.num_prompt_tokens, 0)
     adapter = connector_salt(request)  # the LoRA adapter by content: one name may be two adapters
-    return sha256_cbor((tuple(request.prompt_token_ids), keys, adapter)).hex()
+    return sha256_cbor((tuple(request.prompt_token_ids), keys, adapter, weights)).hex()
+
+
+def weights_tag(vllm_config: Any) -> str:
+    """What `prompt_digest` names an engine's weights by: the first 32 hex of `checkpoint_fingerprint` for a
+    checkpoint folder (by content, so two copies of one checkpoint agree), else the model's file name (a
+    GGUF file, or a config built without weights as in tests: "" when there is no model). Raises `OSError`
+    for a folder whose weights cannot be read. Source: minivllm's own."""
+    from pathlib import Path
+
+    from minivllm.model_executor.model_loader import checkpoint_fingerprint
+
+    model = getattr(getattr(vllm_config, "model_config", None), "model", "") or ""
+    path = Path(model)
+    if not model or not (path / "config.json").is_file():
+        return path.name
+    try:
+        return checkpoint_fingerprint(path)[:32]
+    except ValueError:  # a folder without safetensors weights
+        return path.name
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #c03e2c57
 class P2pZmqConnectorScheduler:
@@ -137,6 +157,7 @@ class P2pZmqConnectorScheduler:
         kvt = vllm_config.kv_transfer_config
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = engine_id
+        self.weights = weights_tag(vllm_config)  # in every prompt_digest: KV of other weights is refused
         self.host, self.port = kvt.kv_ip, kvt.kv_port
         self.is_producer = kvt.is_kv_producer  # only a producer (or kv_both) runs the KV server
         self.abort_timeout_s = _seconds_from_config(kvt, "abort_timeout_s", 120.0)
@@ -168,7 +189,7 @@ class P2pZmqConnectorScheduler:
             params.get("remote_host", "127.0.0.1"),
             int(params.get("remote_port", 0)),
             remote_tp_size,
-            prompt_digest(request),
+            prompt_digest(request, self.weights),
             first_block=first,
         )
         params["do_remote_prefill"] = False
@@ -275,7 +296,7 @@ def request_finished(
     if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
         return False, None
     deadline = time.time() + self.abort_timeout_s
-    digest = prompt_digest(request)
+    digest = prompt_digest(request, self.weights)
     self._reqs_to_send[request.request_id] = (list(block_ids), deadline, digest)
     return True, {
         "do_remote_prefill": True,
@@ -562,7 +583,7 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict, ident: bytes = 
             self._stats["p2p_prompt_mismatches"] = self._stats.get("p2p_prompt_mismatches", 0) + 1
             if kind == b"DONE":
                 return _reply(b"ACK", tag)  # and keep the blocks for the request they were computed for
-            error = f"request {rid} holds the KV of another prompt than the one this pull is for"
+            error = f"request {rid} holds the KV of another prompt (or adapter, or weights) than this pull's"
             return _reply(b"ERROR", tag, error=error)
         if kind == b"DONE":
             if entry is not None:
@@ -963,7 +984,9 @@ class P2pZmqConnector(KVConnectorBase_V1):
             ("transfer_timeout_s", 30.0),
         ):  # both, in either role
             _seconds_from_config(self._kv_transfer_config, key, default)
-        engine_id = self._kv_transfer_config.engine_id
+        kvt = self._kv_transfer_config
+        instance = getattr(kvt, "instance_id", "")  # per start: a restarted producer is another engine
+        engine_id = f"{kvt.engine_id}.{instance}" if instance else kvt.engine_id
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ class LMCacheLookupServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="lmcache-lookup-server", daemon=True)
         self._thread.start()
+        # close() or, for an engine never shut down, interpreter exit: stop, and remove the socket file
+        self._finalizer = weakref.finalize(self, _stop_server, self._stop, self._thread, self._ctx, path)
 
     def _answer(self, msg: bytes) -> int:
         try:
@@ -76,10 +79,14 @@ class LMCacheLookupServer:
             self._sock.close(linger=0)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._ctx.term()
-        Path(self.path.removeprefix("ipc://")).unlink(missing_ok=True)
+        self._finalizer()
+
+
+def _stop_server(stop: threading.Event, thread: threading.Thread, ctx: zmq.Context, path: str) -> None:
+    stop.set()
+    thread.join(timeout=2)  # its socket closes as the thread ends
+    ctx.term()
+    Path(path.removeprefix("ipc://")).unlink(missing_ok=True)
 
 # %% ../../../../../../nbs/48b_lmcache_lookup.ipynb #adbcdacf
 class LMCacheLookupClient:
@@ -92,7 +99,15 @@ class LMCacheLookupClient:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
         self._ctx = zmq.Context()
-        self._sock = self._connect()
+        self._socks = [self._connect()]  # [the current socket], shared with the finalizer
+        # close(), or garbage collection of a client never closed (an engine dropped without shutdown): the
+        # finalizer holds the socket, so it is closed before the context ends. Collected in a reference
+        # cycle without it, the socket was cleared first and Context.term() waited for it forever.
+        self._finalizer = weakref.finalize(self, _close_client, self._ctx, self._socks)
+
+    @property
+    def _sock(self) -> zmq.Socket:
+        return self._socks[0]
 
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.REQ)
@@ -109,9 +124,14 @@ class LMCacheLookupClient:
         self.num_timeouts += 1
         logger.warning("LMCacheLookupClient: no answer from %s in %.1fs; a miss", self.path, self.timeout_s)
         self._sock.close(linger=0)
-        self._sock = self._connect()
+        self._socks[0] = self._connect()
         return 0
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._finalizer()
+
+
+def _close_client(ctx: zmq.Context, socks: list) -> None:
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
