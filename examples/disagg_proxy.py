@@ -18,9 +18,20 @@ status (wrapped in that shape if it was not JSON), and a stream that breaks afte
 `error` event. A body that is not a JSON object is a 400. A backend's 200 that is no answer (not JSON, a
 prefill answer carrying an `error` or a `kv_transfer_params` that is not an object) is a 502. Whenever the
 decode server does not take a request (it refused it, failed, or is down), the proxy releases the blocks the
-producer holds for it. A client that disconnects while its request waits
-for the prefill or the (non-streamed) decode cancels that backend call, which then aborts the request, as a
-stream's disconnect already did.
+producer holds for it.
+
+A client that disconnects while its request waits for the decode (or, streamed, for the decode's first bytes)
+cancels that call, so the decode server aborts the request, as a stream's disconnect does. The rule for the
+producer's blocks: every set of `kv_transfer_params` the proxy received and did not see through to a finished
+decode is released by the proxy itself (DONE with `prompt_digest` to every producer rank,
+`release_remote_blocks`): a decode it cancelled, a stream that ended early, a decode that failed. The decode
+server does not do it: it aborts a request whose client left before its engine (and connector) saw it, and
+nobody told the producer, which held the blocks for `abort_timeout_s` (120 s). A DONE the consumer also sent,
+or one for blocks it pulled already, is harmless (the producer ACKs and frees nothing). A client that leaves
+during the prefill does not cancel it: the producer may have finished the request already (its blocks held
+for a pull) with the answer on its way, which a cancel dropped, and nobody could name the blocks. The
+prefill goes on for nobody, for at most `PREFILL_GRACE_S` (or `timeout_s` if less), and its answer's
+parameters are released; a prefill still running then is cancelled, and the producer aborts it.
 
 Source: the role of vLLM's examples/online_serving/disaggregated_serving (toy proxy server); the error body of
 vLLM v0.15 entrypoints/openai/protocol.py `ErrorResponse`.
@@ -83,6 +94,7 @@ def passthrough(r: httpx.Response) -> Response:
 
 
 MAX_PREFILL_ANSWER_BYTES = 64 << 20  # one token and kv_transfer_params; echoed prompt logprobs at most
+PREFILL_GRACE_S = 10.0  # how long a prefill whose client left may go on, so that its blocks can be released
 
 
 async def _disconnected(request: Request) -> None:
@@ -91,11 +103,12 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _unless_gone(request: Request, call):
-    """`await call` (a backend request), unless the client disconnects first: then the call is cancelled,
-    which closes its connection, so the backend aborts the request as it would for the client itself, and
-    None is returned. Starlette does not cancel a handler whose client left: without this, a client that
-    gave up left the decode server generating every `max_tokens` for nobody."""
+async def _unless_gone(request: Request, call, cancel: bool = True):
+    """`await call` (a backend request, or a task of one), unless the client disconnects first: then None is
+    returned and the call is cancelled, which closes its connection, so the backend aborts the request as it
+    would for the client itself; with `cancel` False it is left running (the caller holds the task).
+    Starlette does not cancel a handler whose client left: without this, a client that gave up left the
+    decode server generating every `max_tokens` for nobody. Re-raises what the call raised."""
     task = asyncio.ensure_future(call)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -104,6 +117,8 @@ async def _unless_gone(request: Request, call):
         gone.cancel()
     if task.done():
         return task.result()
+    if not cancel:
+        return None
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await task
@@ -148,10 +163,19 @@ def build_app(
         if not _is_seconds(value):
             raise ValueError(f"{name} must be a positive, finite number of seconds; got {value!r}")
     client = httpx.AsyncClient(timeout=timeout_s)
+    behind: set[asyncio.Task] = set()  # releases (and prefills) going on for clients that left
+
+    def _in_background(coro) -> None:
+        "Run `coro` on its own task, kept until it ends (the event loop holds tasks weakly)."
+        task = asyncio.ensure_future(coro)
+        behind.add(task)
+        task.add_done_callback(behind.discard)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        if behind:  # let the releases under way reach the producer before the connections close
+            await asyncio.wait(set(behind), timeout=min(timeout_s, PREFILL_GRACE_S) + 3)
         await client.aclose()  # its pooled connections close with the app, not at garbage collection
 
     app = FastAPI(lifespan=lifespan)
@@ -189,12 +213,13 @@ def build_app(
 
     async def _prefill(path: str, body: dict, headers: dict, request: Request) -> dict | Response:
         p_body = _prefill_body(body)
+        task = asyncio.ensure_future(_post(prefill_url + path, p_body, headers, MAX_PREFILL_ANSWER_BYTES))
         try:
-            call = _post(prefill_url + path, p_body, headers, MAX_PREFILL_ANSWER_BYTES)
-            r = await _unless_gone(request, call)
+            r = await _unless_gone(request, task, cancel=False)
         except httpx.HTTPError as e:
             return backend_failure("prefill", prefill_url, e)
-        if r is None:  # the client left: the prefill server aborted the request with the connection
+        if r is None:  # the client left: the prefill goes on for nobody, and its blocks are released
+            _in_background(_release_abandoned_prefill(path, body, headers, task))
             return Response(status_code=499)
         if r.status_code != 200:
             return passthrough(r)
@@ -213,12 +238,25 @@ def build_app(
             return error_response(502, "the prefill server's kv_transfer_params is not an object")
         return answer
 
+    async def _release_abandoned_prefill(path: str, body: dict, headers: dict, task: asyncio.Task) -> None:
+        """The client left while `task` (its prefill) ran: wait for its answer up to `PREFILL_GRACE_S`, and
+        release the blocks it names. A cancel instead lost the answer of a prefill the producer had finished
+        (7 of 27 blocks left held by 60 departing clients). Past the grace the prefill is cancelled: the
+        producer aborts a request still running."""
+        try:
+            r = await asyncio.wait_for(task, PREFILL_GRACE_S)
+            params = r.json().get("kv_transfer_params") if r.status_code == 200 else None
+        except (TimeoutError, httpx.HTTPError, ValueError, AttributeError):
+            return  # cancelled, failed, or no answer with parameters: nothing is held for it
+        await _release(path, body, params, headers, answered=True)
+
     async def _release(path: str, body: dict, params: dict | None, headers: dict, answered: bool) -> None:
-        """The decode server did not take the request: it refused it (a prompt longer than its
-        `max_model_len`, a `max_tokens` too large for it, a model name only the prefill server serves), it
-        failed (a 5xx, a timeout, garbage) or it is down (`answered` False). Nobody pulls the blocks the
-        producer holds for it, so they stayed held until its `abort_timeout_s` (120 s), and a client
-        repeating such requests filled the producer's KV cache. Tell the producer DONE directly
+        """Nobody will pull the blocks `params` name: the client left (its decode cancelled, its stream ended
+        early, its prefill finished for nobody), or the decode server did not take the request: it refused
+        it (a prompt longer than its `max_model_len`, a `max_tokens` too large for it, a model name only the
+        prefill server serves), it failed (a 5xx, a timeout, garbage) or it is down (`answered` False). The
+        producer held such blocks until its `abort_timeout_s` (120 s): clients repeating such requests (or
+        60 clients leaving, 27 blocks) filled its KV cache. Tell the producer DONE directly
         (`release_remote_blocks`, with the parameters' `prompt_digest`); parameters without one (an older
         producer) are released as before, by asking a decode server that answered for the one-token request
         the producer served, which it pulls (this fails when the decode server refuses the prompt itself).
@@ -240,15 +278,20 @@ def build_app(
             logger.warning("decode server %s: %s: %s (releasing the producer's blocks)", decode_url,
                            type(e).__name__, e)  # fmt: skip
 
-    async def _relay(upstream: httpx.Response):
+    async def _relay(upstream: httpx.Response, release):
+        "Relay the decode's stream; `release()` (a coroutine) runs on its own task unless the stream ends."
+        ended = False
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
+            ended = True
         except httpx.HTTPError as e:  # the decode server went away mid-stream: end with an error event
             logger.warning("decode server %s: %s: %s (mid-stream)", decode_url, type(e).__name__, e)
             body = error_body(502, f"the decode server failed mid-stream: {type(e).__name__}: {e}")
             yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()  # after any partial event
         finally:
+            if not ended:  # the client left (the generator is being cancelled: release on a task) or it broke
+                _in_background(release())
             await upstream.aclose()
 
     async def _handle(path: str, request: Request):
@@ -267,14 +310,18 @@ def build_app(
         try:
             if not body.get("stream"):
                 answer = await _unless_gone(request, _post(decode_url + path, d_body, headers))
-                if answer is None:  # the client left: the decode server aborts, and tells the producer DONE
-                    return Response(status_code=499)
+            else:
+                req = client.build_request("POST", decode_url + path, json=d_body, headers=headers)
+                answer = await _unless_gone(request, client.send(req, stream=True))
+            if answer is None:  # the client left: the decode server aborts, maybe before its engine saw it
+                await _release(path, body, params, headers, answered=True)
+                return Response(status_code=499)
+            if not body.get("stream"):
                 out = passthrough(answer)
                 if out.status_code != 200:  # refused, failed, or a 200 that is no answer
                     await _release(path, body, params, headers, answered=True)
                 return out
-            req = client.build_request("POST", decode_url + path, json=d_body, headers=headers)
-            upstream = await client.send(req, stream=True)
+            upstream = answer
         except httpx.HTTPError as e:  # down, timed out, or broke the connection: it took nothing
             await _release(path, body, params, headers, answered=False)
             return backend_failure("decode", decode_url, e)
@@ -283,7 +330,8 @@ def build_app(
             await upstream.aclose()
             await _release(path, body, params, headers, answered=True)
             return passthrough(upstream)
-        return StreamingResponse(_relay(upstream), status_code=200, media_type="text/event-stream")
+        relay = _relay(upstream, lambda: _release(path, body, params, headers, answered=True))
+        return StreamingResponse(relay, status_code=200, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -214,7 +214,8 @@ def test_example_connector_broadcastable_file_is_not_served(ckpt, tmp_path):
         if poisoned:
             for f in tmp_path.glob("*.safetensors"):
                 broadcastable = {name: torch.full((1, 1, 1, 1), 1e4) for name in load_file(f)}
-                save_file(broadcastable, f, metadata={"sha256": safetensors_digest(broadcastable)})  # intact
+                meta = {"sha256": safetensors_digest(broadcastable), "file": f.name}  # intact, at its key
+                save_file(broadcastable, f, metadata=meta)
         llm = _llm(ckpt, kvt)
         counts = _count_scheduled(llm)
         try:

@@ -273,7 +273,7 @@ def test_a_disk_folder_that_cannot_be_made_again_is_logged_once(tmp_path, caplog
     assert disk.num_errors == 4 and len(_warnings(caplog, "cannot be made again")) == 1
     folder.unlink()
     assert (
-        disk.put(key[5], kv) and disk.get(key[5]) is not None and disk.used_bytes == len(sb.serialize_kv(kv))
+        disk.put(key[5], kv) and disk.get(key[5]) is not None and disk.used_bytes == len(sb.serialize_kv(kv, key[5]))
     )
 
 

@@ -7,13 +7,21 @@
    KV / EC connector): each read the other's metadata and slots.
 3. A P/D consumer of other weights (same shapes) accepted the producer's KV and cached it.
 4. A producer restarted under a configured `engine_id` made each pull of old parameters wait 30 s.
+5. An in-process LMCache engine never shut down hung `gc.collect()` and left its lookup socket file.
+6. A valid stored entry copied to another key (LMCache disk or Redis, ExampleConnector) was served.
+7. A disk tier restarted over its cap stayed over it.
+8. A slow tier grew the write-back queue without bound, and `close()` took 35 s.
+9. A CPU graph captured in a step with fewer requests than its size replayed only those (wrong tokens).
+10. A `kv_producer` pulled for a request that asked it to (`do_remote_prefill`).
 """
 
+import json
 import random
 
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
 from minivllm.testing import make_tiny_checkpoint
 
 
@@ -180,6 +188,7 @@ _DROPPED_ENGINE = """
 import gc, os, sys, time, uuid
 os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from minivllm import LLM, SamplingParams
+from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group_or_none
 from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
     get_zmq_rpc_path_lmcache,
@@ -218,3 +227,236 @@ def test_an_lmcache_engine_never_shut_down_neither_hangs_nor_leaves_its_socket(l
     assert not Path(lines[0]).exists(), "the lookup socket file was left behind"
     if how == "collect":
         assert "collected" in run.stdout
+
+
+def _swap_in_new_files(folder, pattern, run_a, run_b):
+    "Run a, then b (each returns once its entries are written); copy a's new files over b's: valid entries."
+    run_a()
+    files_a = set(folder.glob(pattern))
+    run_b()
+    files_b = set(folder.glob(pattern)) - files_a
+    assert len(files_a) == len(files_b) > 0
+    for file_a, file_b in zip(sorted(files_a), sorted(files_b)):
+        file_b.write_bytes(file_a.read_bytes())
+    return files_b
+
+
+@pytest.mark.parametrize("connector", ["LMCacheConnectorV1", "ExampleConnector"])
+def test_a_valid_entry_copied_to_another_key_is_a_miss(llama_dir, tmp_path, monkeypatch, connector):
+    """6. A stored entry named no key: prompt A's valid chunk (or block file) copied over prompt B's was
+    served as B's KV (LMCache disk: [43, 148, 35, 452, 280] against [437, 449, 382, 498, 449] alone; 1 hit, 0
+    errors; ExampleConnector the same). The LMCache header names its key (`key_digest`; Redis values too),
+    an ExampleConnector file its own file name: such an entry is a deleted miss, and B equals the engine
+    alone."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    kw = dict(dtype="float32", max_model_len=256, block_size=16, enable_prefix_caching=False)
+    a, b = list(range(3, 43)), list(range(300, 340))  # one 32-token chunk (two blocks) each, and a tail
+    if connector == "LMCacheConnectorV1":
+        extra = {
+            "chunk_size": 32,
+            "local_cpu": False,
+            "local_disk": str(tmp_path),
+            "max_local_disk_size": 0.01,
+        }
+        pattern = "*.kvchunk"
+    else:
+        extra, pattern = {"shared_storage_path": str(tmp_path)}, "*.safetensors"
+    kvt = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    alone = LLM(llama_dir, **kw)
+    try:
+        want = _decode(alone, b, n=5)
+    finally:
+        alone.llm_engine.shutdown()
+    writer = LLM(llama_dir, **kw, kv_transfer_config=kvt)
+    connector = get_kv_transfer_group_or_none()
+
+    def store(prompt):
+        _decode(writer, prompt[:32] + [7], n=1)
+        if hasattr(connector, "storage"):  # LMCache writes the disk from a background thread
+            connector.storage.flush()
+
+    try:
+        swapped = _swap_in_new_files(tmp_path, pattern, lambda: store(a), lambda: store(b))
+    finally:
+        writer.llm_engine.shutdown()
+    reader = LLM(llama_dir, **kw, kv_transfer_config=kvt)
+    try:
+        assert _decode(reader, b, n=5) == want  # was: decoded from prompt A's KV
+    finally:
+        reader.llm_engine.shutdown()
+    for f in swapped:  # deleted, then stored again by the recompute
+        if f.suffix == ".kvchunk":
+            header_len = int.from_bytes(f.read_bytes()[6:10], "little")
+            assert json.loads(f.read_bytes()[10 : 10 + header_len])["key"] == f.stem  # it names its own key
+
+
+def test_a_redis_value_set_at_another_key_is_a_deleted_miss():
+    """6. The Redis tier: a valid chunk copied to another chunk's key is a deleted miss."""
+    import shutil
+    import subprocess
+    import time
+
+    import torch
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; CI installs it)")
+    from test_kv_connector_break_10e import free_port  # tests/ is on sys.path
+
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
+        RemoteBackend,
+    )
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import CacheEngineKey
+
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        remote = RemoteBackend(f"redis://127.0.0.1:{port}", timeout_s=2.0)
+        for _ in range(100):
+            if remote._call(remote._client.ping):
+                break
+            time.sleep(0.05)
+        key_a, key_b = (CacheEngineKey("m#1", 1, 0, h * 32, "float32") for h in ("ab", "cd"))
+        kv = torch.randn(2, 2, 16, 2, 8)
+        assert remote.put(key_a, kv) and torch.equal(remote.get(key_a), kv)
+        remote._client.set(remote._name(key_b), remote._client.get(remote._name(key_a)))  # copied
+        assert remote.get(key_b) is None and remote.num_errors == 1  # was: key a's KV served at key b
+        assert not remote._client.exists(remote._name(key_b))
+        remote.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _chunk_key(i: int):
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import CacheEngineKey
+
+    return CacheEngineKey("tiny#1", 1, 0, f"{i:064x}", "float32")
+
+
+def test_a_disk_tier_started_over_its_cap_evicts_down_to_it(tmp_path):
+    """7. A disk tier restarted on a folder over its (lower) cap stayed there: 396,480 bytes against a cap of
+    49,560 (8x), 0 evictions, since only `put` evicted and an engine that only reads never put. It evicts
+    down to the cap at start now, oldest first."""
+    import torch
+
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
+        LocalDiskBackend,
+    )
+
+    first = LocalDiskBackend(tmp_path, 1 << 30)
+    for i in range(24):
+        assert first.put(_chunk_key(i), torch.full((2, 2, 16, 2, 8), float(i)))
+    one = first.used_bytes // 24
+    restarted = LocalDiskBackend(tmp_path, 3 * one)
+    assert restarted.used_bytes <= 3 * one and restarted.num_evictions == 21  # was: 24 files, 0 evictions
+    assert len(list(tmp_path.glob("*.kvchunk"))) == 3
+
+
+def test_a_slow_tier_bounds_the_write_back_queue_and_close():
+    """8. A slow tier that never fails: the write-back queue (a copy of every chunk until written) grew with
+    traffic, 47 -> 113 queued writes in six rounds, and `close()` took 35.0 s (a 30 s flush, a 5 s join) while
+    the writer went on writing after it returned. Queued bytes are bounded now (`max_pending_bytes`: saves
+    past it are dropped and counted) and `close` waits at most its timeout."""
+    import threading
+    import time
+
+    import torch
+
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
+        StorageManager,
+    )
+    from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils import LMCacheEngineConfig
+
+    writes = []
+
+    class SlowTier:
+        name, num_errors = "SlowTier", 0
+
+        def put(self, key, kv):
+            time.sleep(0.3)
+            writes.append(threading.get_ident())
+            return True
+
+    store = StorageManager(LMCacheEngineConfig(chunk_size=16, local_cpu=False))
+    store.tiers = [SlowTier()]
+    kv = torch.zeros(2, 2, 16, 2, 8)
+    store.max_pending_bytes = 4 * kv.numel() * kv.element_size()
+    for i in range(40):
+        store.put(_chunk_key(i), kv)
+    assert store.pending_bytes <= store.max_pending_bytes and store.stats()["dropped_writes"] >= 36
+    started = time.monotonic()
+    store.close(timeout_s=0.5)
+    took = time.monotonic() - started
+    written = len(writes)
+    time.sleep(0.7)
+    assert took < 2.0, took  # was: 35 s with a 0.3 s tier
+    assert len(writes) == written  # nothing written after close returned
+    assert store.pending_bytes == 0 and not store._pending
+
+
+def test_a_cpu_graph_captured_with_fewer_requests_than_its_size_serves_a_full_batch(llama_dir, monkeypatch):
+    """9. A CPU graph is captured in the first step of its size. Its attention metadata described the real
+    requests, so a size-4 graph captured while 3 requests decoded recorded a kernel over 3 requests and a
+    key/value write of 3 slots; once 4 requests decoded, every replay left the fourth's attention and KV
+    unwritten (found with preemption and prefix caching: the logprob of the next token went from -4.30 to
+    another token at -4.27). The metadata of a FULL step now describes the padded size: each request
+    equals itself alone."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    kw = dict(dtype="float32", max_model_len=256, block_size=16)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (21, 30, 17, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = LLM(llama_dir, **kw, enforce_eager=True)
+    try:
+        want = [_greedy(alone, [p], [12])[0] for p in prompts]
+    finally:
+        alone.llm_engine.shutdown()
+    llm = LLM(llama_dir, **kw)  # CPU graphs for decode steps (FULL_DECODE_ONLY), captured as sizes come
+    try:
+        engine = llm.llm_engine
+        for i, p in enumerate(prompts[:3]):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        done: dict[str, list[int]] = {}
+        for step in range(200):
+            if step == 4:  # the three decode (size 4 is captured with 3 requests); then a fourth joins
+                engine.add_request("r3", {"prompt_token_ids": prompts[3]}, params)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            if len(done) == 4:
+                break
+        runner = engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+        assert any(d.num_tokens == 4 for d in runner.cudagraphs)  # the graph of this test was used
+        assert [done.get(f"r{i}") for i in range(4)] == want  # was: r3 wrong from its first replayed step
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_kv_producer_computes_a_request_that_asks_it_to_pull():
+    """10. A `kv_producer` given `do_remote_prefill` pulled like a consumer (6 of 42 tokens scheduled), from
+    whatever host:port the client named, and cached what it got. Now it computes the request itself (the
+    mirror of a consumer ignoring `do_remote_decode`); a kv_both engine still pulls."""
+    from types import SimpleNamespace
+
+    from minivllm.config import KVTransferConfig
+    from minivllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from minivllm.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector import P2pZmqConnector
+
+    def asks_to_pull():
+        params = {"do_remote_prefill": True, "remote_block_ids": [0, 1], "remote_request_id": "r",
+                  "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 40000}  # fmt: skip
+        return SimpleNamespace(request_id="q", kv_transfer_params=params, num_prompt_tokens=37, num_tokens=37)
+
+    got = {}
+    for role in ("kv_producer", "kv_both"):
+        kvt = KVTransferConfig(kv_connector="P2pZmqConnector", kv_role=role)
+        cfg = SimpleNamespace(kv_transfer_config=kvt, cache_config=SimpleNamespace(block_size=16))
+        scheduler_half = P2pZmqConnector(cfg, KVConnectorRole.SCHEDULER)
+        request = asks_to_pull()
+        got[role] = (scheduler_half.get_num_new_matched_tokens(request, 0), request.kv_transfer_params)
+    assert got["kv_producer"][0] == (0, False)  # was: (n, True), a pull
+    assert got["kv_producer"][1]["do_remote_prefill"] is False
+    assert got["kv_both"][0][1] is True  # pulls asynchronously

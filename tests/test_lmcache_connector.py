@@ -431,13 +431,18 @@ def _forge(header, payload: bytes = b"") -> bytes:
     return sb._MAGIC + struct.pack("<I", len(head)) + head + payload
 
 
-def _poisons() -> list[bytes]:
+def _split(blob: bytes) -> tuple[dict, bytes]:
+    (n,) = struct.unpack("<I", blob[6:10])
+    return json.loads(blob[10 : 10 + n]), blob[10 + n :]
+
+
+def _poisons(key: str | None = None) -> list[bytes]:
     """Three entries a chunk's checksum cannot catch: a `[]` header (12 bytes in all), a dtype of 'nn', and a
-    well-formed chunk of another model's layout (1 layer, head size 8)."""
-    good = sb.serialize_kv(torch.zeros(2, 2, CHUNK, 2, 16))
-    (n,) = struct.unpack("<I", good[6:10])
-    header, payload = json.loads(good[10 : 10 + n]), good[10 + n :]
-    other_model = sb.serialize_kv(torch.ones(1, 2, CHUNK, 2, 8))
+    well-formed chunk of another model's layout (1 layer, head size 8), its header naming `key` (the
+    `key_digest` of where it is planted, so that the tier reads it and the connector refuses its layout)."""
+    header, payload = _split(sb.serialize_kv(torch.zeros(2, 2, CHUNK, 2, 16)))
+    other_header, other_payload = _split(sb.serialize_kv(torch.ones(1, 2, CHUNK, 2, 8)))
+    other_model = _forge(dict(other_header, key=key) if key else other_header, other_payload)
     return [_forge(b"[]"), _forge(dict(header, dtype="nn"), payload), other_model]
 
 
@@ -454,7 +459,7 @@ def test_poisoned_disk_entries_are_deleted_misses(ckpt, reference, tmp_path, lay
     _run(ckpt, _kvt(**kvt))
     files = sorted(tmp_path.glob("*.kvchunk"))
     assert len(files) == 3  # prompt 0's two chunks (prompt 1 shares them), prompt 2's one
-    for f, poison in zip(files, _poisons()):
+    for f, poison in zip(files, _poisons(files[2].stem)):  # a disk file's name is its key's key_digest
         f.write_bytes(poison)
     assert len(_poisons()[0]) == 12
     engine = Engine(ckpt, _kvt(**kvt))

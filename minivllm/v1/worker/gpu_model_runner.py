@@ -601,10 +601,17 @@ def cudagraphs(self: GPUModelRunner) -> dict[BatchDescriptor, CUDAGraphEntry]:
 
 
 @patch
+def _padded_size(self: GPUModelRunner, desc: BatchDescriptor) -> tuple[int, int]:
+    "(requests, tokens) of the FULL graph `desc`: what its attention metadata must describe."
+    num_reqs = desc.num_reqs if desc.num_reqs is not None else min(desc.num_tokens, self.max_num_reqs)
+    return num_reqs, desc.num_tokens
+
+
+@patch
 def _pad_for_cudagraph(self: GPUModelRunner, num_reqs: int, num_tokens: int, desc: BatchDescriptor) -> int:
     """Pad the persistent device buffers from the real step to `desc` (a FULL graph); returns the padded
     request count."""
-    num_padded_reqs = desc.num_reqs if desc.num_reqs is not None else min(desc.num_tokens, self.max_num_reqs)
+    num_padded_reqs = self._padded_size(desc)[0]
     slot_maps = [bt.slot_mapping.gpu for bt in self.input_batch.block_table.block_tables]
     pad_attn_inputs(
         self.query_start_loc.gpu,
@@ -950,8 +957,9 @@ def execute_model(
     if inputs_embeds is not None or spec_decode_metadata is not None:  # image and draft steps run eagerly
         mode, desc = CUDAGraphMode.NONE, None
     num_input_tokens = desc.num_tokens if desc is not None else total
+    attn_reqs, attn_tokens = self._padded_size(desc) if mode == CUDAGraphMode.FULL else (num_reqs, total)
     attn_metadata, slot_mappings = self._build_attention_metadata(
-        num_reqs, total, int(num_scheduled.max()), max_seq_len, mm_prefix_range
+        attn_reqs, attn_tokens, int(num_scheduled.max()), max_seq_len, mm_prefix_range
     )
     model = self.cudagraph_model if desc is not None else self.model
     with (

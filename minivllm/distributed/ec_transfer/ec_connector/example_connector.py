@@ -144,7 +144,8 @@ def save_caches(
         folder = self._generate_foldername_debug(mm_hash, create_folder=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         os.close(fd)
-        save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors), "model": self._model_id})
+        meta = {"sha256": safetensors_digest(tensors), "model": self._model_id, "mm_hash": mm_hash}
+        save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, self._generate_filename_debug(mm_hash))
     except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
         logger.warning("EC connector: cannot save encoder output %s (%s); it is not stored", mm_hash, e)
@@ -167,12 +168,15 @@ class _DamagedFile(ValueError):
 
 
 @patch
-def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch.Tensor:
+def _read_checked(
+    self: ECExampleConnector, path: Path, num_token: int, mm_hash: str | None = None
+) -> torch.Tensor:
     """`path`'s `ec_cache` tensor. `FileNotFoundError` if it is gone; `_DamagedFile` or `SafetensorError` (a
     header cut short or forged, no `ec_cache`) unless it is a regular file whose checksum matches;
     `ValueError` if its header's shape is not (`num_token`, hidden) or its dtype not the engine's (a bfloat16
     engine's output in a float32 one), both checked before it is read, or if another checkpoint encoded it
-    (`checkpoint_identity` in its metadata)."""
+    (`checkpoint_identity` in its metadata); `_DamagedFile` too if, given `mm_hash`, its metadata names
+    another image (a valid output copied into another image's folder)."""
     if path.exists() and not path.is_file():  # a FIFO would block the read until someone writes to it
         raise _DamagedFile("not a regular file")
     with safe_open(str(path), "pt") as f:
@@ -188,6 +192,8 @@ def _read_checked(self: ECExampleConnector, path: Path, num_token: int) -> torch
         tensor = f.get_tensor("ec_cache")
     if meta.get("sha256") != safetensors_digest({"ec_cache": tensor}):
         raise _DamagedFile("checksum mismatch: a damaged, truncated or foreign file")
+    if mm_hash is not None and meta.get("mm_hash") != mm_hash:
+        raise _DamagedFile("it was stored for another image (its metadata names another mm_hash)")
     if meta.get("model") != self._model_id:  # an intact output of another checkpoint: left for it
         raise ValueError(f"encoded by checkpoint {str(meta.get('model'))[:80]!r}, not {self._model_id!r}")
     return tensor
@@ -199,7 +205,7 @@ def _load_one(self: ECExampleConnector, mm: MMMeta) -> torch.Tensor | None:
     of the wrong shape, dtype or checkpoint for this engine (left for the engine it fits)."""
     path = self._generate_filename_debug(mm.mm_hash)
     try:
-        tensor = self._read_checked(path, mm.num_token)
+        tensor = self._read_checked(path, mm.num_token, mm.mm_hash)
     except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as e:
         damaged = isinstance(e, (_DamagedFile, SafetensorError))
         logger.warning(

@@ -951,7 +951,7 @@ def update_from_output(
     self._publish_kv_events(kv_out)
     return self._make_engine_core_outputs(outputs)
 
-
+# %% ../../../../nbs/23_scheduler.ipynb #9bbc169d
 @patch
 def _remove_stopped(self: Scheduler, stopped: list) -> None:
     """Take the requests that stopped this step out of their queue: `running`, or `waiting` for one preempted

@@ -350,9 +350,11 @@ def _load_block(self: ExampleConnector, key: str, block_id: int) -> None:
             shape = f.get_slice(name).get_shape()
             if shape != [cache.shape[0], *cache.shape[2:]]:  # a planted header may claim gigabytes
                 raise ValueError(f"{name} is {tuple(shape)} in its header, not one block")
-        digest = (f.metadata() or {}).get("sha256")
+        metadata = f.metadata() or {}
+        if metadata.get("file") != path.name:  # a valid file copied over another key's (or rank's) file
+            raise _DamagedFile("it was stored under another key (its metadata names another file)")
         tensors = {name: f.get_tensor(name) for name in self._kv_caches}
-    if digest != safetensors_digest(tensors):
+    if metadata.get("sha256") != safetensors_digest(tensors):
         raise _DamagedFile("checksum mismatch: a damaged, truncated or foreign file")
     for name, cache in self._kv_caches.items():
         block = cache[:, block_id]
@@ -386,8 +388,9 @@ def wait_for_save(self: ExampleConnector) -> None:
         try:
             fd, tmp = tempfile.mkstemp(dir=self._storage, suffix=".tmp")
             os.close(fd)
-            save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors)})
-            os.replace(tmp, self._path(key))
+            path = self._path(key)
+            save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors), "file": path.name})
+            os.replace(tmp, path)
         except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
             logger.warning(
                 "ExampleConnector: cannot save %s (%s); the block is not stored", self._path(key), e

@@ -160,6 +160,7 @@ class P2pZmqConnectorScheduler:
         self.weights = weights_tag(vllm_config)  # in every prompt_digest: KV of other weights is refused
         self.host, self.port = kvt.kv_ip, kvt.kv_port
         self.is_producer = kvt.is_kv_producer  # only a producer (or kv_both) runs the KV server
+        self.is_consumer = kvt.is_kv_consumer  # only a consumer (or kv_both) pulls
         self.abort_timeout_s = _seconds_from_config(kvt, "abort_timeout_s", 120.0)
         self.allowed_producers = _allowed_producers(kvt)  # None: any producer a request names
         self.tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
@@ -234,6 +235,14 @@ def get_num_new_matched_tokens(
 ) -> tuple[int, bool]:
     params = request.kv_transfer_params
     if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:  # "yes" is no true
+        return 0, False
+    if not self.is_consumer:  # a kv_producer pulls nothing, from whatever host:port a client names
+        logger.warning(
+            "P2pZmqConnector: request %s asks for do_remote_prefill in kv_transfer_params, but this engine's "
+            "kv_role is kv_producer (it pulls no transfers); computing it locally",
+            request.request_id,
+        )
+        params["do_remote_prefill"] = False
         return 0, False
     if not _valid_remote_params(params):  # a client's malformed params: compute locally, never crash
         logger.warning(

@@ -33,8 +33,8 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'KV_DTYPES', 'serialize_kv', 'deserialize_kv', 'max_chunk_bytes', 'LocalCPUBackend', 'LocalDiskBackend',
-           'RemoteBackend', 'StorageManager']
+__all__ = ['logger', 'KV_DTYPES', 'key_digest', 'serialize_kv', 'deserialize_kv', 'max_chunk_bytes', 'LocalCPUBackend',
+           'LocalDiskBackend', 'RemoteBackend', 'StorageManager']
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #e90d8a17
 _MAGIC = b"MVLMC1"
@@ -50,19 +50,28 @@ KV_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def serialize_kv(kv: torch.Tensor) -> bytes:
-    "A CPU chunk (dtype in `KV_DTYPES`) as magic + header length + JSON (dtype, shape, sha256) + payload."
+def key_digest(key: CacheEngineKey) -> str:
+    "Hex SHA-256 of `key.to_string()`: what a stored chunk's header names its key by (and its file's name)."
+    return hashlib.sha256(key.to_string().encode()).hexdigest()
+
+
+def serialize_kv(kv: torch.Tensor, key: CacheEngineKey | None = None) -> bytes:
+    """A CPU chunk (dtype in `KV_DTYPES`) as magic + header length + JSON (dtype, shape, sha256 and, given
+    `key`, the key's `key_digest`) + payload."""
     dtype = str(kv.dtype).removeprefix("torch.")
     if dtype not in KV_DTYPES:
         raise ValueError(f"a KV chunk's dtype must be one of {sorted(KV_DTYPES)}; got {dtype}")
     payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
     header = {"dtype": dtype, "shape": list(kv.shape), "sha256": hashlib.sha256(payload).hexdigest()}
+    if key is not None:
+        header["key"] = key_digest(key)
     head = json.dumps(header).encode()
     return _MAGIC + struct.pack("<I", len(head)) + head + payload
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #ded975c5
-def _check_header(raw: bytes, payload_len: int) -> tuple[torch.dtype, list[int], str]:
-    "dtype, shape, digest of a chunk header; `ValueError` unless each field is sane for `payload_len` bytes."
+def _check_header(raw: bytes, payload_len: int, key: str | None = None) -> tuple[torch.dtype, list[int], str]:
+    """dtype, shape, digest of a chunk header; `ValueError` unless each field is sane for `payload_len` bytes
+    and, given `key` (a `key_digest`), the header names that key."""
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -84,12 +93,15 @@ def _check_header(raw: bytes, payload_len: int) -> tuple[torch.dtype, list[int],
         raise ValueError(f"KV chunk header declares {shape} {name}; the payload has {payload_len} bytes")
     if not isinstance(digest, str):
         raise ValueError("KV chunk header has no sha256")
+    if key is not None and header.get("key") != key:  # a valid chunk, copied or replayed under another key
+        raise ValueError("KV chunk was stored under another key than the one it is read at")
     return dtype, shape, digest
 
 
-def deserialize_kv(blob: bytes) -> torch.Tensor:
+def deserialize_kv(blob: bytes, key: CacheEngineKey | None = None) -> torch.Tensor:
     """Inverse of `serialize_kv`. `blob` is untrusted: `ValueError` (and nothing else) for a wrong tag, a
-    short or oversized header, a header field out of bounds (see `_check_header`) or a checksum mismatch."""
+    short or oversized header, a header field out of bounds (see `_check_header`), a checksum mismatch or,
+    given `key`, a header that names another key (or none)."""
     start = len(_MAGIC) + 4
     if blob[: len(_MAGIC)] != _MAGIC:
         raise ValueError("not a stored KV chunk (bad magic)")
@@ -99,7 +111,8 @@ def deserialize_kv(blob: bytes) -> torch.Tensor:
     if n > _MAX_HEADER_BYTES or len(blob) < start + n:
         raise ValueError(f"KV chunk header length {n} is out of bounds")
     payload = blob[start + n :]
-    dtype, shape, digest = _check_header(blob[start : start + n], len(payload))
+    expected = key_digest(key) if key is not None else None
+    dtype, shape, digest = _check_header(blob[start : start + n], len(payload), expected)
     if hashlib.sha256(payload).hexdigest() != digest:
         raise ValueError("KV chunk checksum mismatch")
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
@@ -207,14 +220,16 @@ class LocalDiskBackend:
         self._sweep_stale_tmp()
         self._index: OrderedDict[str, int] = _scan_chunks(self.path)
         self.used_bytes = sum(self._index.values())
+        with self._lock:  # a folder over this start's cap (a lower cap, or another writer): oldest first
+            self._evict_over_cap()
 
     def _file(self, key: CacheEngineKey) -> Path:
-        return self.path / (hashlib.sha256(key.to_string().encode()).hexdigest() + ".kvchunk")
+        return self.path / (key_digest(key) + ".kvchunk")
 
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
         f = self._file(key)
         try:
-            kv = deserialize_kv(self._read(f))
+            kv = deserialize_kv(self._read(f), key)
         except FileNotFoundError:
             return None
         except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
@@ -276,7 +291,7 @@ def remove(self: LocalDiskBackend, key: CacheEngineKey) -> bool:
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #a52a93cc
 @patch
 def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
-    blob = serialize_kv(kv)
+    blob = serialize_kv(kv, key)
     if len(blob) > self.max_bytes:
         return False
     f = self._file(key)
@@ -295,12 +310,18 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
     with self._lock:
         self.used_bytes += len(blob) - self._index.pop(f.name, 0)
         self._index[f.name] = len(blob)
-        while self.used_bytes > self.max_bytes:
-            name, size = self._index.popitem(last=False)
-            self.used_bytes -= size
-            self.num_evictions += 1
-            (self.path / name).unlink(missing_ok=True)
+        self._evict_over_cap()
     return True
+
+
+@patch
+def _evict_over_cap(self: LocalDiskBackend) -> None:
+    "Delete least recently used files until `used_bytes` <= `max_bytes` (the caller holds `_lock`)."
+    while self.used_bytes > self.max_bytes and self._index:
+        name, size = self._index.popitem(last=False)
+        self.used_bytes -= size
+        self.num_evictions += 1
+        (self.path / name).unlink(missing_ok=True)
 
 
 @patch
@@ -502,7 +523,7 @@ def get(self: RemoteBackend, key: CacheEngineKey) -> torch.Tensor | None:
     try:
         if size > self.max_chunk_bytes:
             raise ValueError(f"{size} bytes is more than one chunk can be ({self.max_chunk_bytes})")
-        return deserialize_kv(blob)
+        return deserialize_kv(blob, key)
     except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
         logger.warning(
             "RemoteBackend: %s is invalid (%s); deleted, treating it as a miss", key.chunk_hash[:12], e
@@ -520,7 +541,7 @@ def remove(self: RemoteBackend, key: CacheEngineKey) -> bool:
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #ced8166c
 @patch
 def put(self: RemoteBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
-    return bool(self._call(self._client.set, self._name(key), serialize_kv(kv)))
+    return bool(self._call(self._client.set, self._name(key), serialize_kv(kv, key)))
 
 
 @patch
@@ -533,6 +554,8 @@ def close(self: RemoteBackend) -> None:
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #7bea6e73
 _GB = 1 << 30
+_MAX_PENDING_BYTES = 1 * _GB  # chunks queued for the slow tiers (each a copy the CPU tier may not hold)
+_CLOSE_TIMEOUT_S = 5.0  # close() waits this long for queued writes, then drops the rest
 
 
 class StorageManager:
@@ -567,8 +590,12 @@ class StorageManager:
         self.num_invalid = 0
         self._reported: dict[str, int] = {}  # new_errors' last totals
         self._pending: dict[CacheEngineKey, torch.Tensor] = {}
+        self.max_pending_bytes = _MAX_PENDING_BYTES  # queued for the slow tiers; a put past it is dropped
+        self.pending_bytes = 0
+        self.num_dropped_writes = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._closing = False
         self._writer = threading.Thread(target=self._write_back, name="lmcache-write-back", daemon=True)
         self._writer.start()
 
@@ -584,9 +611,14 @@ class StorageManager:
                     t.put(key, kv)
             tiers = self._slow_tiers()
         if tiers:
+            nbytes = kv.numel() * kv.element_size()
             with self._lock:
+                if self.pending_bytes + nbytes > self.max_pending_bytes:  # the slow tiers fall behind
+                    self._drop_write(key)
+                    return
                 self._pending[key] = kv
-            self._queue.put((key, kv, tiers))
+                self.pending_bytes += nbytes
+            self._queue.put((key, kv, tiers, nbytes))
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b0ae77a2
 @patch
@@ -608,17 +640,39 @@ def _write_back(self: StorageManager) -> None:
         if item is None:
             self._queue.task_done()
             return
-        key, kv, tiers = item
+        key, kv, tiers, nbytes = item
         for t in tiers:
+            if self._closing:
+                break  # close() gave up waiting: the rest is dropped
             try:
                 t.put(key, kv)
             except Exception as e:  # a full disk or a bug in one tier must not stop the thread
                 self.num_write_errors += 1
                 logger.warning("LMCache write-back to %s failed: %s", t.name, e)
-        with self._lock:
-            if self._pending.get(key) is kv:
-                del self._pending[key]
-        self._queue.task_done()
+        self._done(key, kv, nbytes)
+
+
+@patch
+def _done(self: StorageManager, key: CacheEngineKey, kv: torch.Tensor, nbytes: int) -> None:
+    "One queued write finished (or dropped): it no longer counts as present or pending."
+    with self._lock:
+        if self._pending.get(key) is kv:
+            del self._pending[key]
+        self.pending_bytes -= nbytes
+    self._queue.task_done()
+
+
+@patch
+def _drop_write(self: StorageManager, key: CacheEngineKey) -> None:
+    "A save the slow tiers cannot take now (the caller holds `_lock`): counted, logged the first time."
+    self.num_dropped_writes += 1
+    if self.num_dropped_writes == 1:
+        logger.warning(
+            "LMCache: the slow tiers are %d MiB of writes behind (max %d MiB); dropping saves until they "
+            "catch up (counted in dropped_writes)",
+            self.pending_bytes >> 20,
+            self.max_pending_bytes >> 20,
+        )
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #af62fc74
 @patch
@@ -717,11 +771,21 @@ def flush(self: StorageManager, timeout_s: float = 30.0) -> bool:
 
 
 @patch
-def close(self: StorageManager) -> None:
-    "Finish the queued writes, stop the thread, close the remote client."
-    self.flush()
+def close(self: StorageManager, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
+    """Finish the queued writes for up to `timeout_s` seconds, drop what is left (counted in
+    `num_dropped_writes`), stop the thread, close the remote client."""
+    self.flush(timeout_s)
+    self._closing = True  # the writer stops after the tier it is writing now
+    while True:
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None:
+            self.num_dropped_writes += 1
+            self._done(item[0], item[1], item[3])
     self._queue.put(None)
-    self._writer.join(timeout=5)
+    self._writer.join(timeout=timeout_s)
     for t in self.tiers:
         if isinstance(t, RemoteBackend):
             t.close()
@@ -733,6 +797,7 @@ def stats(self: StorageManager) -> dict[str, Any]:
     errors = own + sum(t.num_errors for t in self.tiers)
     out = {"hits": dict(self.hits), "misses": self.misses, "errors": errors}
     out["evictions"] = {t.name: t.num_evictions for t in self.tiers if hasattr(t, "num_evictions")}
+    out["dropped_writes"] = self.num_dropped_writes
     return out
 
 

@@ -147,9 +147,17 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
+_TAKES = {  # what a folder or URL setting takes, for its errors
+    "local_disk": "a folder path or a file:///absolute/path URL (false or null: off)",
+    "remote_url": "a redis://host:port URL (null: off)",
+}
+
+
 def _coerce(name: str, value: Any) -> Any:
-    """`value` (a string from the environment, or YAML's value) as field `name`'s type; `ValueError` naming
-    the field for a number that is no number (a word). Source: minivllm's own."""
+    """`value` (a string from the environment, YAML's value, or the extra config's) as field `name`'s type;
+    `ValueError` naming the field and what it takes for a number that is no number (a word, or a boolean:
+    YAML's `true` is no 1) and for a folder or URL that is no string (a boolean, a number, a list).
+    `local_disk` false means off (None), as an unset local_disk in LMCache. Source: minivllm's own."""
     kind = {f.name: f.type for f in fields(LMCacheEngineConfig)}[name]
     if isinstance(value, str):
         value = value.strip()
@@ -162,14 +170,19 @@ def _coerce(name: str, value: Any) -> Any:
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
         raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off); got {value!r}")
+    if value is False and name == "local_disk":  # YAML `local_disk: false`: off (it was a folder ./False)
+        return None
+    if isinstance(value, bool):  # float(True) is 1.0: `max_local_cpu_size: true` was a 1 GB tier
+        takes = _TAKES.get(name) or f"{'an int' if kind == 'int' else 'a number'} ({_LIMITS[name][3]})"
+        raise ValueError(f"{name} must be {takes}, not a boolean; got {value!r}")
     if kind in ("int", "float"):
         try:  # "nan" and "inf" become floats here; validate refuses them, naming the field
             return int(value) if kind == "int" and not isinstance(value, float) else float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{name} must be a number ({kind}); got {value!r}") from None
-    if value is not None and not isinstance(value, (str, int, float)):  # a list is no folder or URL
-        raise ValueError(f"{name} must be a string; got {type(value).__name__} {value!r}")
-    return None if value is None else str(value)
+    if value is not None and not isinstance(value, str):  # a number or a list is no folder or URL
+        raise ValueError(f"{name} must be a string, {_TAKES[name]}; got {type(value).__name__} {value!r}")
+    return value
 
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #242a66e7
 _ENV_PREFIX = "LMCACHE_"
