@@ -207,7 +207,7 @@ if sys.argv[2] == "collect":
 """
 
 
-@pytest.mark.parametrize("how", ["collect", "exit"])
+@pytest.mark.parametrize("how", ["collect", pytest.param("exit", marks=pytest.mark.slow)])
 def test_an_lmcache_engine_never_shut_down_neither_hangs_nor_leaves_its_socket(llama_dir, tmp_path, how):
     """5. An in-process LMCache engine dropped without `shutdown()`: `del llm; gc.collect()` never returned
     (3 of 3 runs: the lookup client's zmq context, collected in a reference cycle after its socket, waited
