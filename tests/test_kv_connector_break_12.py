@@ -460,3 +460,17 @@ def test_a_kv_producer_computes_a_request_that_asks_it_to_pull():
     assert got["kv_producer"][0] == (0, False)  # was: (n, True), a pull
     assert got["kv_producer"][1]["do_remote_prefill"] is False
     assert got["kv_both"][0][1] is True  # pulls asynchronously
+
+
+def test_each_engine_start_from_one_config_object_gets_its_own_instance_id():
+    """4b. One `KVTransferConfig` object reused for a restart in the same process kept its `instance_id`, so
+    the old producer's parameters waited `transfer_timeout_s` again (8.57 s of 8). Each engine config now
+    copies it: a fresh `instance_id`, the same `engine_id`."""
+    from minivllm.config import KVTransferConfig
+    from minivllm.engine.arg_utils import EngineArgs
+
+    kvt = KVTransferConfig(kv_connector="P2pZmqConnector", kv_role="kv_producer", engine_id="prefill-0")
+    args = EngineArgs(model="m", kv_transfer_config=kvt)
+    first, second = args.create_kv_transfer_config(), args.create_kv_transfer_config()
+    assert first.engine_id == second.engine_id == "prefill-0"
+    assert first.instance_id != second.instance_id  # was: both kvt.instance_id

@@ -130,10 +130,14 @@ def create_compilation_config(self: EngineArgs) -> CompilationConfig:
 
 @patch
 def create_kv_transfer_config(self: EngineArgs) -> KVTransferConfig | None:
-    "`kv_transfer_config` as a `KVTransferConfig` (a dict, `--kv-transfer-config` JSON, or a config)."
+    """`kv_transfer_config` as a `KVTransferConfig` (a dict, `--kv-transfer-config` JSON, or a config). A
+    config object is copied, so each engine start gets its own `instance_id` (one object reused for a restart
+    in the same process kept it, and the old producer's parameters waited `transfer_timeout_s`)."""
     kvt = self.kv_transfer_config
-    if kvt is None or isinstance(kvt, KVTransferConfig):
-        return kvt
+    if kvt is None:
+        return None
+    if isinstance(kvt, KVTransferConfig):
+        return dataclasses.replace(kvt)
     if isinstance(kvt, str):
         return KVTransferConfig.from_cli(kvt)
     if isinstance(kvt, dict):
