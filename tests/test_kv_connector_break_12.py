@@ -204,6 +204,9 @@ if sys.argv[2] == "collect":
     del llm
     gc.collect()
     print(f"collected in {time.time() - t:.1f}s", flush=True)
+    import threading
+    time.sleep(0.5)
+    print("threads:", ",".join(t.name for t in threading.enumerate() if "lmcache" in t.name) or "none")
 """
 
 
@@ -212,7 +215,9 @@ def test_an_lmcache_engine_never_shut_down_neither_hangs_nor_leaves_its_socket(l
     """5. An in-process LMCache engine dropped without `shutdown()`: `del llm; gc.collect()` never returned
     (3 of 3 runs: the lookup client's zmq context, collected in a reference cycle after its socket, waited
     for that socket in `term()`), and a program ending without `shutdown()` left its lookup socket file
-    behind. Now the client's finalizer closes socket then context, and the server's runs at exit."""
+    behind; once `gc` returned, its write-back and lookup threads, sockets and KV cache were still held (the
+    process's current connector). Now the client's finalizer closes socket then context, the server's runs
+    at exit, and a collected worker's runner shuts its connector down (`release_kv_transfer_group`)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -227,6 +232,7 @@ def test_an_lmcache_engine_never_shut_down_neither_hangs_nor_leaves_its_socket(l
     assert not Path(lines[0]).exists(), "the lookup socket file was left behind"
     if how == "collect":
         assert "collected" in run.stdout
+        assert "threads: none" in run.stdout, run.stdout  # the collected engine's connector stopped them
 
 
 def _swap_in_new_files(folder, pattern, run_a, run_b):

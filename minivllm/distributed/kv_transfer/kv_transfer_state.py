@@ -13,8 +13,8 @@ from .kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 # %% auto #0
 __all__ = ['get_kv_transfer_group_or_none', 'get_kv_transfer_group', 'has_kv_transfer_group', 'ensure_kv_transfer_initialized',
-           'set_kv_transfer_group', 'ensure_kv_transfer_shutdown', 'wait_for_kv_layer_from_connector',
-           'maybe_save_kv_layer_to_connector']
+           'set_kv_transfer_group', 'release_kv_transfer_group', 'ensure_kv_transfer_shutdown',
+           'wait_for_kv_layer_from_connector', 'maybe_save_kv_layer_to_connector']
 
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #f97e12d1
 _KV_CONNECTOR_AGENT: KVConnectorBase_V1 | None = None  # the process's connector: the last one built or set
@@ -69,6 +69,23 @@ def set_kv_transfer_group(connector: KVConnectorBase_V1 | None) -> None:
     its own before each step, so two engines in one process never see each other's, even stepping at once
     on two threads (an async engine steps on its executor's thread)."""
     _set_agent(connector)
+
+
+def release_kv_transfer_group(connector: KVConnectorBase_V1) -> None:
+    """Shut `connector` down and forget it wherever the process, or this thread, holds it as current (its
+    engine is gone: shut down, or collected without a shutdown). Never raises: a failing shutdown is
+    logged."""
+    global _KV_CONNECTOR_AGENT
+    try:
+        connector.shutdown()
+    except Exception as e:  # noqa: BLE001 (a finalizer must not raise)
+        import logging
+
+        logging.getLogger(__name__).warning("KV connector shutdown failed: %s: %s", type(e).__name__, e)
+    if _KV_CONNECTOR_AGENT is connector:
+        _KV_CONNECTOR_AGENT = None
+    if getattr(_THIS_THREAD, "agent", None) is connector:
+        _THIS_THREAD.agent = None
 
 
 def ensure_kv_transfer_shutdown() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import weakref
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,7 @@ from minivllm.distributed.ec_transfer.ec_transfer_state import (
 )
 from minivllm.distributed.kv_transfer.kv_transfer_state import (
     ensure_kv_transfer_initialized,
-    get_kv_transfer_group_or_none,
-    set_kv_transfer_group,
+    release_kv_transfer_group,
 )
 from minivllm.distributed.parallel_state import (
     default_backend,
@@ -175,7 +175,12 @@ def initialize_from_config(self: Worker, kv_cache_config: KVCacheConfig | list[K
     if isinstance(kv_cache_config, (list, tuple)):
         kv_cache_config = kv_cache_config[self.rank]
     # the worker-side KV connector exists before the caches, which it registers (chapter "KV connector base")
-    self.model_runner.kv_connector = ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
+    connector = ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
+    self.model_runner.kv_connector = connector
+    if (
+        connector is not None
+    ):  # shutdown() runs it; so does the runner's collection (an engine never shut down)
+        self._release_kv_connector = weakref.finalize(self.model_runner, release_kv_transfer_group, connector)
     self.model_runner.initialize_kv_cache(kv_cache_config)
 
 
@@ -220,10 +225,11 @@ def check_health(self: Worker) -> None:
 @patch
 def shutdown(self: Worker) -> None:
     "Drop the model, the KV cache and the KV and EC connectors so their resources can be reused."
-    if self.model_runner is not None and self.model_runner.kv_connector is not None:
-        self.model_runner.kv_connector.shutdown()
-        if get_kv_transfer_group_or_none() is self.model_runner.kv_connector:
-            set_kv_transfer_group(None)
+    release = getattr(self, "_release_kv_connector", None)
+    if release is not None:
+        release()  # shut down, and no longer the current connector (once: a finalizer runs at most once)
+    elif self.model_runner is not None and self.model_runner.kv_connector is not None:
+        release_kv_transfer_group(self.model_runner.kv_connector)
     ec_connector = getattr(self.model_runner, "ec_connector", None)
     if ec_connector is not None:  # the runner built it (chapter "EC transfer state")
         ec_connector.shutdown()
