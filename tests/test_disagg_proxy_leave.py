@@ -37,14 +37,15 @@ from minivllm.v1.executor.multiproc_executor import get_open_port
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    "A tiny llama; the three in-process servers of a test run one OpenMP thread each (`one_thread`)."
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
 
 
 def _server(path, role: str) -> Server:
@@ -71,6 +72,15 @@ def _released_within(prod: Server, seconds: float) -> float | None:
             return time.monotonic() - t0
         time.sleep(0.02)
     return None
+
+
+def _assert_released(prod: Server, seconds: float) -> float:
+    "Seconds until the producer held nothing for the departed client (asserted within `seconds`)."
+    took = _released_within(prod, seconds)
+    assert took is not None, f"the producer still holds {_held(prod)} blocks for the departed client"
+    prod.wait_idle()
+    assert _held(prod) == 0
+    return took
 
 
 def _leave(proxy_url: str, body: dict, after_s: float) -> None:
@@ -103,10 +113,7 @@ def test_a_decode_cancelled_for_a_departing_client_releases_the_producers_blocks
         assert _held(prod) == 0
         body = {"model": "tiny", "prompt": list(range(5, 45)), "max_tokens": 4, "stream": stream}
         _leave(proxy.url, body, 0.5)  # the prefill takes well under that: the decode is cancelled
-        took = _released_within(prod, 5)
-        assert took is not None, f"the producer still holds {_held(prod)} blocks for the departed client"
-        prod.wait_idle()
-        assert _held(prod) == 0
+        took = _assert_released(prod, 5)
         print(f"stream={stream}: the producer's blocks came back {took:.2f} s after the client left")
     finally:
         release.set()
@@ -138,10 +145,7 @@ def test_a_prefill_whose_client_left_is_released_when_it_answers(ckpt):
     try:
         _leave(proxy.url, {"model": "tiny", "prompt": list(range(5, 45)), "max_tokens": 4}, 0.5)
         assert answered.wait(10)  # the producer finished the request: its blocks are held for a pull
-        took = _released_within(prod, 6)
-        assert took is not None, f"the producer still holds {_held(prod)} blocks for the departed client"
-        prod.wait_idle()
-        assert _held(prod) == 0
+        took = _assert_released(prod, 6)
         print(f"the abandoned prefill's blocks came back {took:.2f} s after the producer answered")
     finally:
         proxy.stop()
