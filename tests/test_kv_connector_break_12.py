@@ -13,6 +13,7 @@
 8. A slow tier grew the write-back queue without bound, and `close()` took 35 s.
 9. A CPU graph captured in a step with fewer requests than its size replayed only those (wrong tokens).
 10. A `kv_producer` pulled for a request that asked it to (`do_remote_prefill`).
+11. A multiprocess `LLM` dropped without `shutdown()` kept its engine process until exit.
 """
 
 import json
@@ -480,3 +481,47 @@ def test_each_engine_start_from_one_config_object_gets_its_own_instance_id():
     first, second = args.create_kv_transfer_config(), args.create_kv_transfer_config()
     assert first.engine_id == second.engine_id == "prefill-0"
     assert first.instance_id != second.instance_id  # was: both kvt.instance_id
+
+
+_DROPPED_MP_ENGINE = """
+import gc, os, sys, time
+os.environ["MINIVLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the default, whatever the test run sets
+from minivllm import LLM, SamplingParams
+def children():
+    me, out = os.getpid(), []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.append(p)
+    return out
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, block_size=16)
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=2), use_tqdm=False)
+    print("children while alive:", len(children()), flush=True)
+    del llm
+    gc.collect()
+    deadline = time.time() + 15
+    while children() and time.time() < deadline:
+        time.sleep(0.2)
+    print("children after drop:", len(children()), flush=True)
+"""
+
+
+def test_a_multiprocess_llm_dropped_without_shutdown_stops_its_engine_process(llama_dir, tmp_path):
+    """11. An `LLM` (engine core in its own process, the default) dropped without `shutdown()` was never
+    collected: its output thread's target was a bound method of the client, so the client's finalizer never
+    ran and the engine process lived on (4 dropped engines: 4 processes, 1.37 GB each; a producer's
+    `kv_port` still taken). The thread now holds the client weakly: the process is stopped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dropped_mp.py"
+    script.write_text(_DROPPED_MP_ENGINE)
+    command = [sys.executable, str(script), llama_dir]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "children while alive: 1" in run.stdout, run.stdout
+    assert "children after drop: 0" in run.stdout, run.stdout  # was: 1, until the interpreter exits

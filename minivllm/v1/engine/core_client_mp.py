@@ -345,38 +345,50 @@ class SyncMPClient(MPClient):
         self.output_socket = make_zmq_socket(self.ctx, self.output_address, zmq.PULL, bind=True)
         self.resources.sockets.append(self.output_socket)
         self._send_lock = threading.Lock()
-        self.output_thread = threading.Thread(
-            target=self._process_outputs_socket, daemon=True, name="EngineCoreOutputQueueThread"
+        self.output_thread = threading.Thread(  # a weak reference: see `_read_outputs`
+            target=_read_outputs, args=(weakref.ref(self),), daemon=True, name="EngineCoreOutputQueueThread"
         )
         self.resources.output_thread = self.output_thread
         self.output_thread.start()
 
 # %% ../../../nbs/29e_core_client_mp.ipynb #12c3ad16
-@patch
-def _process_outputs_socket(self: SyncMPClient) -> None:
+def _read_outputs(ref: weakref.ref) -> None:
+    """The reader thread of the `SyncMPClient` behind `ref`. It holds the client only while it handles one
+    message: a client dropped without `shutdown()` is then collected, its finalizer stops the engine process,
+    and the thread ends (held for good, it kept the process, 1.37 GB each, and its sockets until exit)."""
+    client = ref()
+    if client is None:
+        return
+    socket, sentinel, resources = client.output_socket, client.proc.sentinel, client.resources
+    del client
     poller = zmq.Poller()
-    poller.register(self.output_socket, zmq.POLLIN)
-    poller.register(self.proc.sentinel, zmq.POLLIN)
+    poller.register(socket, zmq.POLLIN)
+    poller.register(sentinel, zmq.POLLIN)
     try:
-        while not self.resources.shutting_down:
+        while not resources.shutting_down:
             events = dict(poller.poll(1000))
-            if self.output_socket in events:
-                frames = self.output_socket.recv_multipart(copy=False)
+            client = ref()
+            if client is None:  # dropped: its finalizer stops the engine
+                return
+            if socket in events:
+                frames = socket.recv_multipart(copy=False)
                 if len(frames) == 1 and bytes(frames[0].buffer) == ENGINE_CORE_DEAD:
                     break
-                outputs = _fix_scheduler_stats(self.decoder.decode(frames))
-                if not self._resolve_utility(outputs):
-                    self.outputs_queue.put_nowait(outputs)
-            elif self.proc.sentinel in events:
+                outputs = _fix_scheduler_stats(client.decoder.decode(frames))
+                if not client._resolve_utility(outputs):
+                    client.outputs_queue.put_nowait(outputs)
+            elif sentinel in events:
                 break
+            del client
     except zmq.ZMQError:
-        if not self.resources.shutting_down:
+        if not resources.shutting_down:
             logger.exception("output socket failed")
-    if not self.resources.shutting_down:
-        self.resources.engine_dead = True
-        err = self._dead_error()
-        self._fail_pending(err)
-        self.outputs_queue.put_nowait(err)
+    client = ref()
+    if client is not None and not resources.shutting_down:
+        resources.engine_dead = True
+        err = client._dead_error()
+        client._fail_pending(err)
+        client.outputs_queue.put_nowait(err)
 
 
 @patch
