@@ -5,16 +5,19 @@
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #6c25d6fe
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from .kv_connector.factory import KVConnectorFactory
 from .kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+logger = logging.getLogger(__name__)
+
 # %% auto #0
-__all__ = ['get_kv_transfer_group_or_none', 'get_kv_transfer_group', 'has_kv_transfer_group', 'ensure_kv_transfer_initialized',
-           'set_kv_transfer_group', 'release_kv_transfer_group', 'ensure_kv_transfer_shutdown',
-           'wait_for_kv_layer_from_connector', 'maybe_save_kv_layer_to_connector']
+__all__ = ['logger', 'get_kv_transfer_group_or_none', 'get_kv_transfer_group', 'has_kv_transfer_group',
+           'ensure_kv_transfer_initialized', 'set_kv_transfer_group', 'release_kv_transfer_group',
+           'ensure_kv_transfer_shutdown', 'wait_for_kv_layer_from_connector', 'maybe_save_kv_layer_to_connector']
 
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #f97e12d1
 _KV_CONNECTOR_AGENT: KVConnectorBase_V1 | None = None  # the process's connector: the last one built or set
@@ -79,9 +82,7 @@ def release_kv_transfer_group(connector: KVConnectorBase_V1) -> None:
     try:
         connector.shutdown()
     except Exception as e:  # noqa: BLE001 (a finalizer must not raise)
-        import logging
-
-        logging.getLogger(__name__).warning("KV connector shutdown failed: %s: %s", type(e).__name__, e)
+        logger.warning("KV connector shutdown failed: %s: %s", type(e).__name__, e)
     if _KV_CONNECTOR_AGENT is connector:
         _KV_CONNECTOR_AGENT = None
     if getattr(_THIS_THREAD, "agent", None) is connector:
@@ -89,11 +90,10 @@ def release_kv_transfer_group(connector: KVConnectorBase_V1) -> None:
 
 
 def ensure_kv_transfer_shutdown() -> None:
-    "Shut the current worker connector down and forget it (the worker calls it when it stops)."
+    "Shut the current worker connector down and forget it (see `release_kv_transfer_group`)."
     agent = get_kv_transfer_group_or_none()
     if agent is not None:
-        agent.shutdown()
-    _set_agent(None)
+        release_kv_transfer_group(agent)
 
 # %% ../../../nbs/47b_kv_transfer_state.ipynb #9d241dc6
 def _bound_connector() -> KVConnectorBase_V1 | None:

@@ -177,9 +177,8 @@ def initialize_from_config(self: Worker, kv_cache_config: KVCacheConfig | list[K
     # the worker-side KV connector exists before the caches, which it registers (chapter "KV connector base")
     connector = ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
     self.model_runner.kv_connector = connector
-    if (
-        connector is not None
-    ):  # shutdown() runs it; so does the runner's collection (an engine never shut down)
+    # shutdown() runs this finalizer; so does the runner's collection (an engine never shut down)
+    if connector is not None:
         self._release_kv_connector = weakref.finalize(self.model_runner, release_kv_transfer_group, connector)
     self.model_runner.initialize_kv_cache(kv_cache_config)
 
