@@ -385,6 +385,7 @@ class P2pZmqConnectorWorker:
         self._lock = threading.Lock()
         self._to_send: dict[str, tuple[list[int], float, str]] = {}
         self._released: OrderedDict[str, None] = OrderedDict()  # the last ids freed: a READ of one is refused
+        self._early_done: OrderedDict[str, set[str]] = OrderedDict()  # DONEs' digests before registration
         self._served: dict[str, set[bytes]] = {}  # a held request -> the connections already sent its KV
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -404,8 +405,10 @@ class P2pZmqConnectorWorker:
     def start_load_kv(self, meta: P2pZmqConnectorMetadata) -> None:
         with self._lock:
             self._to_send.update(meta.reqs_to_send)
-            for rid in meta.reqs_to_send:  # an id its engine registers again is served again
-                self._released.pop(rid, None)
+            for rid, (_, _, digest) in meta.reqs_to_send.items():
+                self._released.pop(rid, None)  # an id its engine registers again is served again
+                if digest in self._early_done.pop(rid, ()):  # its DONE came before this step
+                    self._release(rid)
         if not meta.reqs_to_recv and not meta.reqs_to_cancel:
             return
         if self._puller is None or not self._puller.is_alive():  # the last guard: replace a dead thread
@@ -549,6 +552,8 @@ def _reply(kind: bytes, tag: Any, *frames: Any, **header: Any) -> list:
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #9b46e8a8
 _MAX_RELEASED = 1 << 14  # freed request ids a producer remembers (a READ of one is refused at once)
 _MAX_READERS = 8  # connections one held request's KV is sent to (once each)
+_MAX_EARLY_DONE = 1 << 10  # requests not registered yet whose DONE a producer remembers
+_MAX_EARLY_DIGESTS = 4  # digests remembered for one of them (a forged DONE cannot push out the real one)
 
 
 @patch
@@ -578,6 +583,25 @@ def _refuse_reader(self: P2pZmqConnectorWorker, rid: str, ident: bytes) -> str |
         readers.add(ident)
     return None
 
+
+@patch
+def _note_early_done(self: P2pZmqConnectorWorker, rid: str, digest: Any) -> None:
+    """With `_lock` held: a DONE for `rid`, which is neither held nor freed. Its engine may have finished it
+    and handed out its parameters while this worker learns of it only at the next step's `start_load_kv`:
+    a DONE sent at once (the proxy's release for a client that left) fell in between, was ACKed, and the
+    blocks were held for `abort_timeout_s`. It is remembered (for the `_MAX_EARLY_DONE` latest ids, up to
+    `_MAX_EARLY_DIGESTS` digests each) and frees the request when it is registered with one of them.
+    Source: vLLM v0.15 nixl_connector.py `NixlConnectorWorker._reqs_to_process` (a notification that
+    comes before the request's send is registered)."""
+    if not isinstance(digest, str):
+        return
+    digests = self._early_done.setdefault(rid, set())
+    if len(digests) < _MAX_EARLY_DIGESTS:
+        digests.add(digest)
+    self._early_done.move_to_end(rid)
+    while len(self._early_done) > _MAX_EARLY_DONE:
+        self._early_done.popitem(last=False)
+
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2279bd1b
 @patch
 def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict, ident: bytes = b"") -> list:
@@ -597,6 +621,8 @@ def _answer(self: P2pZmqConnectorWorker, kind: bytes, msg: dict, ident: bytes = 
         if kind == b"DONE":
             if entry is not None:
                 self._release(rid)
+            elif isinstance(rid, str) and rid not in self._released:
+                self._note_early_done(rid, msg.get("digest"))
             return _reply(b"ACK", tag)
         released = entry is None and isinstance(rid, str) and rid in self._released
     if entry is None:
