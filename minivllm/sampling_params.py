@@ -263,6 +263,8 @@ def _verify_types(self: SamplingParams) -> None:
     if self.extra_args is not None and not isinstance(self.extra_args, dict):
         raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
     _check_kv_transfer_params((self.extra_args or {}).get("kv_transfer_params"))
+    for name in ("stop", "extra_args"):
+        _check_text(name, getattr(self, name))
     if self.structured_outputs is not None and not isinstance(
         self.structured_outputs, StructuredOutputsParams
     ):
@@ -283,6 +285,26 @@ def _check_kv_transfer_params(params: Any) -> None:
     for flag in ("do_remote_prefill", "do_remote_decode"):
         if flag in params and not isinstance(params[flag], bool):
             raise ValueError(f"kv_transfer_params.{flag} must be true or false, got {params[flag]!r}.")
+
+
+def _check_text(name: str, value: Any) -> None:
+    """Raise ValueError naming `name` if `value` (a str, or dicts and lists of them, nested) holds a lone
+    UTF-16 surrogate, which no UTF-8 encoder takes. Source: minivllm's own."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode)."
+                ) from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
 
 # %% ../nbs/02_sampling_params.ipynb #18476e3d
 @patch(as_prop=True)
@@ -323,9 +345,9 @@ def update_from_generation_config(
 @patch
 def clone(self: SamplingParams) -> SamplingParams:
     """A deep copy (used for the children of an n > 1 request). Raises `ValueError` naming the field
-    when a value set after construction does not fit msgpack (an int beyond 64 bits)."""
+    when a value set after construction does not fit msgpack (an int beyond 64 bits, a lone surrogate)."""
     try:
         return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=SamplingParams)
-    except OverflowError:
+    except (OverflowError, UnicodeEncodeError):
         self._verify_args()  # callers clone before they validate: say which field does not fit
         raise

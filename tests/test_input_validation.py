@@ -32,6 +32,9 @@ BAD_PARAMS = [  # (kwargs, words the message must contain)
     (dict(top_k=-2), ["top_k", "-1"]),
     (dict(min_p=-0.1), ["min_p", "[0, 1]"]),
     (dict(min_p=1.1), ["min_p", "[0, 1]"]),
+    # a lone surrogate: before, a bare UnicodeEncodeError naming no field (sending it to the engine process)
+    (dict(stop=["a\ud800"]), ["stop", "lone UTF-16 surrogate"]),
+    (dict(extra_args={"kv_transfer_params": {"remote_host": "\udc00"}}), ["extra_args", "surrogate"]),
 ]
 
 
