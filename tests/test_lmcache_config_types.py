@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from minivllm.config import KVTransferConfig
-from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration import lookup_client
 from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
     LMCacheLookupClient,
     LMCacheLookupServer,
@@ -31,6 +30,7 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils 
     LMCacheEngineMetadata,
     lmcache_get_config,
 )
+from minivllm.utils import system_utils
 
 
 def _from_yaml(tmp_path, text):
@@ -129,7 +129,7 @@ def test_a_long_tmpdir_moves_the_lookup_socket_to_tmp(long_tmpdir, caplog):
     bytes, logged naming TMPDIR), a server binds it, a client is answered, and close removes the file."""
     assert len(str(long_tmpdir)) > 92
     engine_id = f"long-tmpdir-{os.getpid()}"
-    with caplog.at_level(logging.WARNING, logger=lookup_client.__name__):
+    with caplog.at_level(logging.WARNING, logger=system_utils.__name__):
         path = get_zmq_rpc_path_lmcache(engine_id, 0)
     assert path.startswith("ipc:///tmp/minivllm-lmcache-")
     assert len(os.fsencode(path.removeprefix("ipc://"))) <= 107
@@ -150,6 +150,6 @@ def test_a_long_tmpdir_with_no_usable_fallback_names_tmpdir(long_tmpdir, monkeyp
     """3. Where /tmp is no writable folder either, the raw ZMQError came from the worker's bind, after the
     connector had started building. Now `get_zmq_rpc_path_lmcache` (called before anything starts) raises
     a ValueError naming TMPDIR and the 107-byte limit."""
-    monkeypatch.setattr(lookup_client, "_FALLBACK_DIR", str(long_tmpdir / "absent"), raising=False)
+    monkeypatch.setattr(system_utils, "IPC_FALLBACK_DIR", str(long_tmpdir / "absent"))  # chapter 24d's rule
     with pytest.raises(ValueError, match=r"^TMPDIR '.*x{80}' \(\d+ bytes\) is too long .* at most 107 bytes"):
         get_zmq_rpc_path_lmcache("no-fallback", 0)

@@ -12,16 +12,18 @@ import multiprocessing.popen_fork
 import os
 import signal
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'MP_METHOD_ENV', 'MP_METHODS', 'SHUTDOWN_SIGNAL', 'SIGTERM_DEFER_ENV', 'default_mp_method',
-           'requested_mp_method', 'fork_unsafe_reasons', 'FreshThreadForkProcess', 'FreshThreadForkContext',
-           'get_mp_context', 'process_start_time', 'process_identity', 'process_is_alive', 'wait_for_process_exit',
-           'send_shutdown_signal', 'install_shutdown_signal_handlers']
+__all__ = ['logger', 'MP_METHOD_ENV', 'MP_METHODS', 'SHUTDOWN_SIGNAL', 'SIGTERM_DEFER_ENV', 'IPC_PATH_MAX', 'IPC_FALLBACK_DIR',
+           'default_mp_method', 'requested_mp_method', 'fork_unsafe_reasons', 'FreshThreadForkProcess',
+           'FreshThreadForkContext', 'get_mp_context', 'process_start_time', 'process_identity', 'process_is_alive',
+           'wait_for_process_exit', 'send_shutdown_signal', 'install_shutdown_signal_handlers', 'ipc_socket_path']
 
 # %% ../../nbs/24d_system_utils.ipynb #4587c84f
 MP_METHOD_ENV = "MINIVLLM_WORKER_MULTIPROC_METHOD"
@@ -233,3 +235,41 @@ def install_shutdown_signal_handlers(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(SHUTDOWN_SIGNAL, _stop)
     signal.signal(signal.SIGTERM, _term)
+
+# %% ../../nbs/24d_system_utils.ipynb #baf39b92
+IPC_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the NUL)
+IPC_FALLBACK_DIR = "/tmp"  # where a socket goes when its path in $TMPDIR would be too long
+_warned_ipc_tmpdirs: set[str] = set()  # each too-long TMPDIR is logged once
+
+
+def ipc_socket_path(name: str, what: str) -> str:
+    """File path (no `ipc://`) for Unix socket file `name`: `tempfile.gettempdir()` ($TMPDIR) / `name`, or,
+    where that path would pass `IPC_PATH_MAX` (107) bytes, `IPC_FALLBACK_DIR` (/tmp) / `name`, with one
+    warning per TMPDIR. `what` describes the socket in the messages ("the LMCache lookup socket"). Raises
+    ValueError naming TMPDIR, its length in bytes and the limit when `IPC_FALLBACK_DIR` is no writable
+    folder or `name` does not fit there either. Source: minivllm's own (vLLM v0.15
+    vllm/utils/network_utils.py `get_open_zmq_ipc_path` uses VLLM_RPC_BASE_PATH, unchecked)."""
+    tmpdir = tempfile.gettempdir()
+    path = Path(tmpdir) / name
+    if len(os.fsencode(path)) <= IPC_PATH_MAX:
+        return str(path)
+    fallback = Path(IPC_FALLBACK_DIR)
+    usable = fallback.is_dir() and os.access(fallback, os.W_OK | os.X_OK)
+    if not usable or len(os.fsencode(fallback / name)) > IPC_PATH_MAX:
+        raise ValueError(
+            f"TMPDIR {tmpdir!r} ({len(os.fsencode(tmpdir))} bytes) is too long for {what} {name!r}: a Unix "
+            f"socket path may have at most {IPC_PATH_MAX} bytes, and {IPC_FALLBACK_DIR} is no writable "
+            "folder with room for it; set TMPDIR to a shorter folder"
+        )
+    if tmpdir not in _warned_ipc_tmpdirs:
+        _warned_ipc_tmpdirs.add(tmpdir)
+        logger.warning(
+            "TMPDIR %r (%d bytes) is too long for %s: a Unix socket path may have at most %d bytes; it, and "
+            "any other socket that does not fit, is in %s",
+            tmpdir,
+            len(os.fsencode(tmpdir)),
+            what,
+            IPC_PATH_MAX,
+            fallback,
+        )
+    return str(fallback / name)

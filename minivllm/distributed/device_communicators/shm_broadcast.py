@@ -9,7 +9,6 @@ import logging
 import os
 import pickle
 import struct
-import tempfile
 import threading
 import time
 import uuid
@@ -21,6 +20,8 @@ from unittest import mock
 
 import zmq
 from fastcore.basics import patch
+
+from ...utils.system_utils import ipc_socket_path
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,12 @@ class Handle:
 
 
 def _ipc_path() -> str:
-    return f"ipc://{tempfile.gettempdir()}/minivllm-mq-{uuid.uuid4().hex[:12]}"
+    """A fresh `ipc://` address for a writer's overflow socket, `minivllm-mq-<12 hex>` in the temp folder, or
+    in /tmp where $TMPDIR is too long for a Unix socket path (`ipc_socket_path`, chapter 24d; ValueError
+    naming TMPDIR if neither fits). Source: vLLM v0.15 shm_broadcast.py `MessageQueue.__init__`
+    (`get_open_zmq_ipc_path`)."""
+    name = f"minivllm-mq-{uuid.uuid4().hex[:12]}"
+    return f"ipc://{ipc_socket_path(name, 'the MessageQueue overflow socket')}"
 
 
 class MessageQueue:
@@ -171,12 +177,12 @@ class MessageQueue:
         if max_chunk_bytes <= _HEADER.size:
             raise ValueError(f"max_chunk_bytes must be > {_HEADER.size}; got {max_chunk_bytes}")
         self.n_reader = n_reader
+        self.local_subscribe_addr = _ipc_path()  # first: a ValueError here leaves no shared memory behind
         self.buffer = ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)
         self.local_socket = zmq.Context.instance().socket(zmq.XPUB)
         # report every reader's subscription, not just the first
         self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)
         self.local_socket.setsockopt(zmq.LINGER, 0)
-        self.local_subscribe_addr = _ipc_path()
         self.local_socket.bind(self.local_subscribe_addr)
         self.current_idx, self.local_reader_rank, self._is_writer = 0, -1, True
         self.handle = Handle(list(range(n_reader)), self.buffer.handle(), self.local_subscribe_addr)

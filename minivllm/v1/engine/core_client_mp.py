@@ -14,7 +14,6 @@ import os
 import queue
 import signal
 import sys
-import tempfile
 import threading
 import uuid
 import weakref
@@ -26,7 +25,12 @@ import zmq.asyncio
 from fastcore.basics import patch
 
 from ...config import VllmConfig
-from ...utils.system_utils import get_mp_context, process_identity, send_shutdown_signal
+from minivllm.utils.system_utils import (
+    get_mp_context,
+    ipc_socket_path,
+    process_identity,
+    send_shutdown_signal,
+)
 from ..core.kv_cache_metrics import KVCacheEvictionEvent
 from . import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from .core import ENGINE_CORE_DEAD, READY, EngineCoreProc, make_zmq_socket
@@ -42,8 +46,11 @@ __all__ = ['logger', 'get_open_zmq_ipc_path', 'BackgroundResources', 'MPClient',
 
 # %% ../../../nbs/29e_core_client_mp.ipynb #48bf9efc
 def get_open_zmq_ipc_path() -> str:
-    "A fresh `ipc://` endpoint in the temp folder."
-    return f"ipc://{tempfile.gettempdir()}/minivllm-{uuid.uuid4().hex[:12]}"
+    """A fresh `ipc://` endpoint, `minivllm-<12 hex>` in the temp folder, or in /tmp where $TMPDIR is too long
+    for a Unix socket path (`ipc_socket_path`, chapter 24d; ValueError naming TMPDIR if neither fits).
+    Source: vLLM v0.15 vllm/utils/network_utils.py `get_open_zmq_ipc_path` (in VLLM_RPC_BASE_PATH)."""
+    name = f"minivllm-{uuid.uuid4().hex[:12]}"
+    return f"ipc://{ipc_socket_path(name, 'the engine-core input / output socket')}"
 
 
 def _fix_scheduler_stats(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
@@ -194,6 +201,8 @@ class MPClient(EngineCoreClient):
         mp_ctx = get_mp_context()
         self._start_method = mp_ctx.get_start_method()  # the guard hint only concerns spawn and forkserver
         _check_main_reimportable(self._start_method)
+        # a TMPDIR too long for a socket path (with no usable /tmp) is refused here too
+        self.input_address, self.output_address = get_open_zmq_ipc_path(), get_open_zmq_ipc_path()
         self.vllm_config = vllm_config
         self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
         sync_ctx = zmq.Context()
@@ -202,7 +211,6 @@ class MPClient(EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.resources)
         _LIVE_RESOURCES.add(self.resources)
         _install_sigterm_cleanup()
-        self.input_address, self.output_address = get_open_zmq_ipc_path(), get_open_zmq_ipc_path()
         self.resources.paths += [self.input_address, self.output_address]
         # the handshake uses a synchronous ROUTER; the async client wraps the same socket type afterwards
         # no high-water mark: a ROUTER drops what it cannot queue, and one n=3000 request is 3000 messages

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -21,52 +19,25 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils 
     CacheEngineKey,
     LMCacheEngineMetadata,
 )
+from ......utils.system_utils import IPC_PATH_MAX, ipc_socket_path
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'IPC_PATH_MAX', 'get_zmq_rpc_path_lmcache', 'LMCacheLookupServer', 'LMCacheLookupClient']
+__all__ = ['logger', 'get_zmq_rpc_path_lmcache', 'LMCacheLookupServer', 'LMCacheLookupClient', 'IPC_PATH_MAX']
 
 # %% ../../../../../../nbs/48b_lmcache_lookup.ipynb #0113a328
-IPC_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the NUL)
-_FALLBACK_DIR = "/tmp"
-_warned_tmpdirs: set[str] = set()  # each too-long TMPDIR is logged once
+_all_ = ["IPC_PATH_MAX"]  # chapter 24d's limit, still public here
 
 
 def get_zmq_rpc_path_lmcache(engine_id: str, rank: int = 0) -> str:
-    """The lookup server's `ipc://` address for engine `engine_id`, worker `rank`, in `$TMPDIR`, or in
-    `_FALLBACK_DIR` (/tmp; logged once per `$TMPDIR`) where that path would pass `IPC_PATH_MAX` bytes;
-    `ValueError` naming TMPDIR and the limit when neither folder fits.
+    """The lookup server's `ipc://` address for engine `engine_id`, worker `rank`, in `$TMPDIR`, or in /tmp
+    (logged once per `$TMPDIR`) where that path would pass `IPC_PATH_MAX` (107) bytes; `ValueError` naming
+    TMPDIR and the limit when neither folder fits (`ipc_socket_path`, chapter 24d).
     Source: LMCache lmcache/v1/rpc_utils.py `get_zmq_rpc_path_lmcache` (role)."""
     tag = hashlib.sha1(str(engine_id).encode()).hexdigest()[:16]
     name = f"minivllm-lmcache-{tag}-{rank}.sock"
-    path = Path(tempfile.gettempdir()) / name
-    if len(os.fsencode(path)) > IPC_PATH_MAX:
-        path = Path(_short_socket_dir(tempfile.gettempdir(), name)) / name
-    return f"ipc://{path}"
-
-
-def _short_socket_dir(tmpdir: str, name: str) -> str:
-    """`_FALLBACK_DIR` for socket `name` whose path in `tmpdir` is too long (a warning, once per `tmpdir`), or
-    `ValueError` naming TMPDIR and `IPC_PATH_MAX`. Source: minivllm's own."""
-    fallback = Path(_FALLBACK_DIR)
-    usable = fallback.is_dir() and os.access(fallback, os.W_OK | os.X_OK)
-    if not usable or len(os.fsencode(fallback / name)) > IPC_PATH_MAX:
-        raise ValueError(
-            f"TMPDIR {tmpdir!r} ({len(os.fsencode(tmpdir))} bytes) is too long for the LMCache lookup socket "
-            f"{name!r}: a Unix socket path may have at most {IPC_PATH_MAX} bytes, and {_FALLBACK_DIR} is no "
-            "writable folder with room for it; set TMPDIR to a shorter folder"
-        )
-    if tmpdir in _warned_tmpdirs:
-        return str(fallback)
-    _warned_tmpdirs.add(tmpdir)
-    logger.warning(
-        "TMPDIR %r is too long for a Unix socket path (at most %d bytes); the LMCache lookup socket is in %s",
-        tmpdir,
-        IPC_PATH_MAX,
-        fallback,
-    )
-    return str(fallback)
+    return f"ipc://{ipc_socket_path(name, 'the LMCache lookup socket')}"
 
 # %% ../../../../../../nbs/48b_lmcache_lookup.ipynb #3c20ff5a
 class LMCacheLookupServer:
