@@ -193,13 +193,15 @@ from minivllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_g
 from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
     get_zmq_rpc_path_lmcache,
+    lookup_engine_id,
 )
 engine_id = str(uuid.uuid4())
 kvt = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both", engine_id=engine_id,
                        kv_connector_extra_config={"chunk_size": 32, "local_cpu": True})
 llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, block_size=16, kv_transfer_config=kvt)
 llm.generate([{"prompt_token_ids": list(range(3, 70))}], SamplingParams(max_tokens=2), use_tqdm=False)
-print(get_zmq_rpc_path_lmcache(engine_id, 0).removeprefix("ipc://"), flush=True)
+print(get_zmq_rpc_path_lmcache(lookup_engine_id(llm.llm_engine.vllm_config.kv_transfer_config), 0)
+      .removeprefix("ipc://"), flush=True)
 if sys.argv[2] == "collect":
     t = time.time()
     del llm

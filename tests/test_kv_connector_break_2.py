@@ -188,6 +188,7 @@ def test_dp2_p2p_producers_serve_on_their_own_ports(llama):
 def test_dp2_lmcache_engines_have_their_own_lookup_sockets(llama):
     from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
         get_zmq_rpc_path_lmcache,
+        lookup_engine_id,
     )
 
     kvt = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
@@ -196,7 +197,7 @@ def test_dp2_lmcache_engines_have_their_own_lookup_sockets(llama):
         EngineArgs(model=llama[0], data_parallel_size=2, kv_transfer_config=kvt, **KW), enable_multiprocessing=True
     )
     try:
-        ids = [c.vllm_config.kv_transfer_config.engine_id for c in llm.engine_core.clients]
+        ids = [lookup_engine_id(c.vllm_config.kv_transfer_config) for c in llm.engine_core.clients]
         paths = [get_zmq_rpc_path_lmcache(e, 0).removeprefix("ipc://") for e in ids]
         assert len(set(paths)) == 2 and all(os.path.exists(p) for p in paths)  # before: one socket for both
     finally:
@@ -364,13 +365,14 @@ def test_a_killed_lmcache_rank_leaves_no_lookup_socket(llama, monkeypatch):
 
     from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup_client import (
         get_zmq_rpc_path_lmcache,
+        lookup_engine_id,
     )
 
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
     kvt = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
            "kv_connector_extra_config": {"chunk_size": 16, "max_local_cpu_size": 0.01}}  # fmt: skip
     llm = LLM(llama[0], tensor_parallel_size=2, **KW, kv_transfer_config=kvt)
-    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    engine_id = lookup_engine_id(llm.llm_engine.vllm_config.kv_transfer_config)
     files = [get_zmq_rpc_path_lmcache(engine_id, r).removeprefix("ipc://") for r in range(2)]
     try:
         assert _greedy(llm, PROMPTS) == llama[1] and all(os.path.exists(f) for f in files)

@@ -34,6 +34,7 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.lookup
     LMCacheLookupClient,
     LMCacheLookupServer,
     get_zmq_rpc_path_lmcache,
+    lookup_engine_id,
 )
 from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.storage_backend import (
     StorageManager,
@@ -612,7 +613,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) != 1:
             raise ValueError(f"LMCacheConnectorV1 supports one KV cache group; this model has {len(groups)}")
-        engine_id = self._kv_transfer_config.engine_id
+        engine_id = lookup_engine_id(self._kv_transfer_config)  # per engine start
         tp_size = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
         self._scheduler: LMCacheConnectorV1Scheduler | None = None
         self._worker: LMCacheConnectorV1Worker | None = None

@@ -24,7 +24,7 @@ from ......utils.system_utils import IPC_PATH_MAX, ipc_socket_path
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'get_zmq_rpc_path_lmcache', 'LMCacheLookupServer', 'LMCacheLookupClient', 'IPC_PATH_MAX']
+__all__ = ['logger', 'get_zmq_rpc_path_lmcache', 'lookup_engine_id', 'LMCacheLookupServer', 'LMCacheLookupClient', 'IPC_PATH_MAX']
 
 # %% ../../../../../../nbs/48b_lmcache_lookup.ipynb #0113a328
 _all_ = ["IPC_PATH_MAX"]  # chapter 24d's limit, still public here
@@ -38,6 +38,14 @@ def get_zmq_rpc_path_lmcache(engine_id: str, rank: int = 0) -> str:
     tag = hashlib.sha1(str(engine_id).encode()).hexdigest()[:16]
     name = f"minivllm-lmcache-{tag}-{rank}.sock"
     return f"ipc://{ipc_socket_path(name, 'the LMCache lookup socket')}"
+
+
+def lookup_engine_id(kv_transfer_config: Any) -> str:
+    """The id the lookup path is made from: `engine_id` and the config's `instance_id` (fresh for each engine
+    start, the same in its scheduler and workers). Source: minivllm's own (P2pZmqConnector's rule)."""
+    instance = getattr(kv_transfer_config, "instance_id", "")
+    engine_id = kv_transfer_config.engine_id
+    return f"{engine_id}.{instance}" if instance else str(engine_id)
 
 # %% ../../../../../../nbs/48b_lmcache_lookup.ipynb #3c20ff5a
 class LMCacheLookupServer:
