@@ -13,6 +13,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: too slow for the default suite (run with -m slow)")
 
 
+def _slow_for_time() -> set[str]:
+    "The node ids listed in tests/slow_for_time.txt (the default suite's slowest tests, measured)."
+    path = os.path.join(os.path.dirname(__file__), "slow_for_time.txt")
+    with open(path) as f:
+        return {line.split("#")[0].strip() for line in f if line.split("#")[0].strip()}
+
+
+def pytest_collection_modifyitems(config, items):
+    # keeps `make test` under its time budget: these run in `make test-slow` (after it, in .ci/run)
+    slow = _slow_for_time()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker("slow")
+
+
 # IPC endpoints (ipc://$TMPDIR/minivllm-*) are unlinked by whoever bound them, but tests that SIGKILL an engine
 # or a worker leave the dead process's socket files behind. Point the temp folder (here and in every child
 # process, which inherits TMPDIR) at one folder per test session and remove it at the end. Short path: a unix
