@@ -489,12 +489,16 @@ def _ensure_output_task(self: AsyncMPClient) -> None:
     self.outputs_queue = asyncio.Queue()
     self.queue_task = loop.create_task(self._process_outputs_socket(), name="EngineCoreOutputQueueTask")
 
+    sentinel, resources, ref = self.proc.sentinel, self.resources, weakref.ref(self)
+
     def watch():
         # wait on the sentinel, never join(): two threads reaping one child race, and the loser's
-        # is_alive() then reports a dead process as alive
-        multiprocessing.connection.wait([self.proc.sentinel])
-        if not self.resources.shutting_down and not loop.is_closed():
-            loop.call_soon_threadsafe(self._on_engine_dead)
+        # is_alive() then reports a dead process as alive. The client only by a weak reference: a strong
+        # one kept an AsyncLLM dropped without shutdown() (and its engine process) alive for good
+        multiprocessing.connection.wait([sentinel])
+        client = ref()
+        if client is not None and not resources.shutting_down and not loop.is_closed():
+            loop.call_soon_threadsafe(client._on_engine_dead)
 
     threading.Thread(target=watch, daemon=True, name="EngineCoreMonitor").start()
 
