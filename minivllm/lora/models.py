@@ -21,8 +21,9 @@ from .punica_wrapper.punica_cpu import LoRAMapping, PunicaWrapperCPU
 
 # %% auto #0
 __all__ = ['DEFAULT_PACKED_MODULES_MAPPING', 'parse_fine_tuned_lora_name', 'expected_lora_shapes', 'check_lora_tensors',
-           'validate_lora_adapter', 'adapter_fingerprint', 'LoRALayerWeights', 'LoRAModel', 'make_random_lora_adapter',
-           'replace_submodule', 'LoRAModelManager', 'LRUCacheLoRAModelManager']
+           'validate_lora_adapter', 'adapter_fingerprint', 'LoRAAdapterChangedError', 'check_pinned_adapter',
+           'LoRALayerWeights', 'LoRAModel', 'make_random_lora_adapter', 'replace_submodule', 'LoRAModelManager',
+           'LRUCacheLoRAModelManager']
 
 # %% ../../nbs/30j_lora_models.ipynb #def9bfe5
 DEFAULT_PACKED_MODULES_MAPPING = {
@@ -215,6 +216,26 @@ def adapter_fingerprint(lora_path: str) -> str:
     if len(_FINGERPRINTS) > _MAX_VALIDATED:
         _FINGERPRINTS.popitem(last=False)
     return _FINGERPRINTS[key]
+
+# %% ../../nbs/30j_lora_models.ipynb #5cd7eb6e
+class LoRAAdapterChangedError(ValueError):
+    "An adapter folder no longer holds the content the engine pinned for its name and id (chapter 23)."
+
+
+def check_pinned_adapter(lora_request: Any) -> str:
+    """`adapter_fingerprint` of `lora_request.lora_path` (hex, 64 characters). Raises
+    `LoRAAdapterChangedError` naming `lora_name` and `lora_path` when `lora_request.lora_fingerprint` is set
+    and differs, `OSError` for a folder whose files cannot be read. Source: minivllm's own."""
+    current = adapter_fingerprint(lora_request.lora_path)
+    pinned = getattr(lora_request, "lora_fingerprint", None)
+    if pinned is not None and current != pinned:
+        raise LoRAAdapterChangedError(
+            f"lora_request: adapter {lora_request.lora_name!r} ({lora_request.lora_path}) changed on disk "
+            f"since this engine first took it (content {pinned[:12]}..., now {current[:12]}...); the engine "
+            "computes and stores KV only with the content it pinned: load the new version under a new "
+            "lora_name (and lora_int_id)"
+        )
+    return current
 
 # %% ../../nbs/30j_lora_models.ipynb #834bcb28
 @dataclass

@@ -14,13 +14,16 @@ __all__ = ['LoRARequest']
 class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True):
     """One adapter a request runs with: `lora_name` (str, unique), `lora_int_id` (int >= 1; 0 is the base
     model in the runner's per-token mapping), `lora_path` (local PEFT folder), `base_model_name` (the model
-    it was trained on, for /v1/models). Raises `ValueError` for an id < 1 or an empty name. Equal and hashed
-    by `lora_name`. Source: vLLM v0.15 lora/request.py `LoRARequest`."""
+    it was trained on, for /v1/models), `lora_fingerprint` (minivllm's own: the adapter content the engine
+    pinned when it first took this id, `adapter_fingerprint` of chapter 30j, set by the scheduler, chapter
+    23; None from users). Raises `ValueError` for an id < 1 or an empty name. Equal and hashed by
+    `lora_name`. Source: vLLM v0.15 lora/request.py `LoRARequest` (without `lora_fingerprint`)."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = msgspec.field(default=None)
+    lora_fingerprint: str | None = msgspec.field(default=None)  # the pinned content (hex BLAKE3)
 
     def __post_init__(self):
         if (

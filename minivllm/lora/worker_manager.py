@@ -11,7 +11,13 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
-from .models import LoRAModel, LRUCacheLoRAModelManager
+from minivllm.lora.models import (
+    LoRAAdapterChangedError,
+    LoRAModel,
+    LRUCacheLoRAModelManager,
+    adapter_fingerprint,
+    check_pinned_adapter,
+)
 from .peft_helper import PEFTHelper
 from .punica_wrapper.punica_cpu import LoRAMapping
 from .request import LoRARequest
@@ -41,6 +47,7 @@ class LRUCacheWorkerLoRAManager:
         self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._adapter_manager: LRUCacheLoRAModelManager | None = None
         self.num_loads = 0  # adapters read from disk (a reload after an LRU unload counts again)
+        self.fingerprints: dict[int, str] = {}  # lora_int_id -> content read at its last load
 
     def create_lora_manager(self, model: nn.Module) -> nn.Module:
         "Wrap `model`'s projections with LoRA layers (in place); returns the model."
@@ -64,11 +71,15 @@ class LRUCacheWorkerLoRAManager:
 # %% ../../nbs/30k_lora_worker_manager.ipynb #adf72e51
 @patch
 def _load_adapter(self: LRUCacheWorkerLoRAManager, lora_request: LoRARequest) -> LoRAModel:
-    "Read and check `lora_request.lora_path` (ValueError naming the field for a bad adapter)."
+    """Read and check `lora_request.lora_path` (ValueError naming the field for a bad adapter). The folder's
+    content is fingerprinted before and after the read: `LoRAAdapterChangedError` (naming the adapter) when
+    it is not `lora_request.lora_fingerprint` (the content the engine pinned, which its KV keys name), or
+    changed during the read. Source: vLLM v0.15 lora/worker_manager.py `WorkerLoRAManager._load_adapter`
+    (the fingerprint checks are minivllm's own)."""
     helper = PEFTHelper.from_local_dir(lora_request.lora_path)
     helper.validate_legal(self.lora_config)
-    self.num_loads += 1
-    return LoRAModel.from_local_checkpoint(
+    before = check_pinned_adapter(lora_request)
+    lora = LoRAModel.from_local_checkpoint(
         lora_request.lora_path,
         helper,
         lora_request.lora_int_id,
@@ -77,13 +88,29 @@ def _load_adapter(self: LRUCacheWorkerLoRAManager, lora_request: LoRARequest) ->
         device="cpu",
         dtype=self.dtype,
     )
+    if adapter_fingerprint(lora_request.lora_path) != before:
+        raise LoRAAdapterChangedError(
+            f"lora_request: adapter {lora_request.lora_name!r} ({lora_request.lora_path}) changed while it "
+            "was read; load the new version under a new lora_name (and lora_int_id)"
+        )
+    self.num_loads += 1
+    self.fingerprints[lora_request.lora_int_id] = before
+    return lora
 
 
 @patch
 def add_adapter(self: LRUCacheWorkerLoRAManager, lora_request: LoRARequest) -> bool:
-    "Load (if not cached) and activate `lora_request`'s adapter; True if it was loaded now."
+    """Load (if not cached) and activate `lora_request`'s adapter; True if it was loaded now. Raises
+    `LoRAAdapterChangedError` when the cached copy's content is not the request's `lora_fingerprint`."""
     manager = self.adapter_manager
     loaded = False
+    pinned = lora_request.lora_fingerprint
+    held = self.fingerprints.get(lora_request.lora_int_id)
+    if lora_request.lora_int_id in manager.list_adapters() and None not in (pinned, held) and pinned != held:
+        raise LoRAAdapterChangedError(
+            f"lora_request: adapter {lora_request.lora_name!r} ({lora_request.lora_path}) is loaded with "
+            f"content {held[:12]}..., the request names {pinned[:12]}...; load it under a new lora_name"
+        )
     if lora_request.lora_int_id not in manager.list_adapters():
         manager.add_adapter(self._load_adapter(lora_request))
         loaded = True

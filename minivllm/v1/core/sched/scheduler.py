@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 from typing import Any, Iterable
 
+import msgspec
 import numpy as np
 from fastcore.basics import patch
 
@@ -172,10 +173,59 @@ def _take_scheduled_spec_decode_tokens(self: Scheduler) -> dict[str, list[int]]:
     self._scheduled_spec_decode_tokens = {}
     return spec
 
+# %% ../../../../nbs/23_scheduler.ipynb #e4e4e91a
+@patch
+def _pin_lora(self: Scheduler, request: Request) -> None:
+    """Give `request` this engine's pin of its adapter: `request.lora_request` becomes a copy whose
+    `lora_fingerprint` is the content pinned for its `lora_int_id` (taken now, `adapter_fingerprint` of
+    `lora_path`, if this is the engine's first request of that id); the caller's object is not changed. A
+    folder that cannot be read pins nothing yet (`_lora_changed` refuses the request). Source: minivllm's
+    own."""
+    lora = request.lora_request
+    if lora is None:
+        return
+    from minivllm.lora.models import adapter_fingerprint
+
+    pins = self.__dict__.setdefault("_lora_pins", {})  # lora_int_id -> hex BLAKE3 of its folder
+    if lora.lora_int_id not in pins:
+        try:
+            pins[lora.lora_int_id] = adapter_fingerprint(lora.lora_path)
+        except (OSError, TypeError, ValueError):
+            return
+    if lora.lora_fingerprint != pins[lora.lora_int_id]:
+        request.lora_request = msgspec.structs.replace(lora, lora_fingerprint=pins[lora.lora_int_id])
+
+
+@patch
+def _lora_changed(self: Scheduler, request: Request) -> str | None:
+    """None when `request` has no adapter (or LoRA is off) or its folder still holds the pinned content;
+    else the error to finish it with (the `LoRAAdapterChangedError` message, or the folder cannot be
+    read), naming `lora_name` and `lora_path`. One check per adapter per step. Source: minivllm's own."""
+    if request.lora_request is None or getattr(self.vllm_config, "lora_config", None) is None:
+        return None
+    from minivllm.lora.models import LoRAAdapterChangedError, check_pinned_adapter
+
+    self._pin_lora(request)  # a folder unreadable at arrival is pinned once it can be read
+    lora = request.lora_request
+    verdicts = self.__dict__.setdefault("_lora_verdicts", {})
+    if lora.lora_int_id not in verdicts:
+        try:
+            check_pinned_adapter(lora)
+            verdicts[lora.lora_int_id] = None
+        except LoRAAdapterChangedError as e:
+            verdicts[lora.lora_int_id] = str(e)
+        except (OSError, TypeError, ValueError) as e:
+            verdicts[lora.lora_int_id] = (
+                f"lora_path: adapter {lora.lora_name!r} ({lora.lora_path}) cannot be read: {e}"
+            )
+    return verdicts[lora.lora_int_id]
+
 # %% ../../../../nbs/23_scheduler.ipynb #1b0f13f7
 @patch
 def add_request(self: Scheduler, request: Request) -> None:
-    "Queue a new request (WAITING, or WAITING_FOR_FSM while its grammar compiles)."
+    """Queue a new request (WAITING, or WAITING_FOR_FSM while its grammar compiles); a LoRA request gets
+    this engine's pin of its adapter's content (`_pin_lora`)."""
+    self._pin_lora(request)
     if request.use_structured_output and request.structured_output_request._grammar is None:
         self.structured_output_manager.grammar_init(request)
     if self.is_encoder_only:
@@ -308,6 +358,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     self._encoder_budget = self.max_num_encoder_input_tokens  # this step's encoder work, in embeddings
     self._scheduled_encoder_inputs: dict[str, list[int]] = {}
     self._external_load_encoder_inputs: dict[str, list[int]] = {}
+    self._lora_verdicts: dict[int, str | None] = {}  # this step's adapter-folder checks (`_lora_changed`)
     scheduled_running, preempted, token_budget = self._schedule_running(
         self.max_num_scheduled_tokens, now, num_scheduled_tokens, new_block_ids
     )
@@ -473,6 +524,9 @@ def _schedule_running(
     req_index = 0
     while req_index < len(self.running) and token_budget > 0:
         request = self.running[req_index]
+        if (message := self._lora_changed(request)) is not None:  # removed from running: same index
+            self._finish_with_error(request, message)
+            continue
         num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
         num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
         if num_new_tokens <= 0 or self._reached_max_tokens_in_flight(request):
@@ -557,6 +611,10 @@ def _schedule_waiting(
             self.waiting.pop_request()
             if not request.is_finished():
                 skipped.add_request(request)  # its KV is still arriving, or its grammar compiling
+            continue
+        if (message := self._lora_changed(request)) is not None:  # its adapter's folder was rewritten
+            self.waiting.pop_request()
+            self._finish_with_error(request, message)
             continue
         if (holders_only and request.num_computed_tokens == 0) or self._exceeds_max_loras(
             request, scheduled_loras

@@ -130,8 +130,11 @@ def mm_keyed_token_ids(request: Any) -> list[int]:
 
 def connector_salt(request: Any) -> str | None:
     """What stored KV is salted with besides its tokens: None for a request with neither a `cache_salt` nor
-    a LoRA adapter, else the JSON list `[cache_salt, adapter]`, where `adapter` is the adapter's content
-    (`adapter_fingerprint` of `lora_path`, chapter 30j), not its name. An adapter changes the KV of every
+    a LoRA adapter, else the JSON list `[cache_salt, adapter]`, where `adapter` is the adapter's content,
+    not its name: the content the engine pinned and computes with (`lora_request.lora_fingerprint`, chapter
+    23), or, for a request no scheduler pinned, `adapter_fingerprint` of `lora_path` (chapter 30j). A folder
+    rewritten in place keeps its pinned salt (the engine still computes with the weights it read); a load
+    of the new files is refused (chapter 30k). An adapter changes the KV of every
     layer it targets, and a name is only a label: a new version deployed under the same name, or another
     server's folder of that name on a shared store, must not find this one's KV. The list keeps the two
     apart (a salt can never pass for an adapter). An adapter folder that cannot be read gets a salt no
@@ -141,8 +144,8 @@ def connector_salt(request: Any) -> str | None:
     lora = getattr(request, "lora_request", None)
     if salt is None and lora is None:
         return None
-    adapter = None
-    if lora is not None:
+    adapter = getattr(lora, "lora_fingerprint", None)
+    if lora is not None and adapter is None:
         from minivllm.lora.models import adapter_fingerprint
 
         try:
