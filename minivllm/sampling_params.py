@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 from enum import IntEnum
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['SamplingType', 'RequestOutputKind', 'StructuredOutputsParams', 'SamplingParams']
+__all__ = ['SamplingType', 'RequestOutputKind', 'StructuredOutputsParams', 'SamplingParams', 'json_leaves', 'is_valid_unicode']
 
 # %% ../nbs/02_sampling_params.ipynb #65829e96
 _SAMPLING_EPS = 1e-5
@@ -287,24 +287,37 @@ def _check_kv_transfer_params(params: Any) -> None:
             raise ValueError(f"kv_transfer_params.{flag} must be true or false, got {params[flag]!r}.")
 
 
-def _check_text(name: str, value: Any) -> None:
-    """Raise ValueError naming `name` if `value` (a str, or dicts and lists of them, nested) holds a lone
-    UTF-16 surrogate, which no UTF-8 encoder takes. Source: minivllm's own."""
+def json_leaves(value: Any) -> Iterator[Any]:
+    """Every leaf of `value`, depth first: dicts give their keys and values, lists and tuples their items,
+    pydantic models their fields, nested; anything else is a leaf. Source: minivllm's own."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(
-                    f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode)."
-                ) from None
-        elif isinstance(v, dict):
+        if isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
+        elif hasattr(v, "__pydantic_fields__"):
+            stack.extend(field_value for _, field_value in v)
+        else:
+            yield v
+
+
+def is_valid_unicode(text: str) -> bool:
+    "False for a str holding a lone UTF-16 surrogate, which no UTF-8 encoder takes."
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_text(name: str, value: Any) -> None:
+    "Raise ValueError naming `name` if a str in `value` (`json_leaves`) holds a lone UTF-16 surrogate."
+    for v in json_leaves(value):
+        if isinstance(v, str) and not is_valid_unicode(v):
+            raise ValueError(f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode).")
 
 # %% ../nbs/02_sampling_params.ipynb #18476e3d
 @patch(as_prop=True)

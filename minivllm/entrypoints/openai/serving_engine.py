@@ -80,26 +80,13 @@ def max_n_sequences() -> int:
 
 def _bad_value(value: Any) -> str | None:
     "'surrogate' or 'integer' if `value` (JSON-shaped, nested) holds a lone surrogate or an out-of-range int."
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return "surrogate"
-        elif isinstance(v, bool):
-            continue
-        elif isinstance(v, int):
-            if abs(v) >= INT_FIELD_LIMIT:
-                return "integer"
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif hasattr(v, "__pydantic_fields__"):
-            stack.extend(value for _, value in v)
+    from minivllm.sampling_params import is_valid_unicode, json_leaves
+
+    for v in json_leaves(value):
+        if isinstance(v, str) and not is_valid_unicode(v):
+            return "surrogate"
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= INT_FIELD_LIMIT:
+            return "integer"
     return None
 
 # %% ../../../nbs/55_serving_engine.ipynb #70c9f5f8
