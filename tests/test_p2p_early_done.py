@@ -87,3 +87,40 @@ def test_only_a_forged_release_frees_nothing(producer):
     assert _steps_until_free(producer, steps=5) == 3
     assert release_remote_blocks(params, timeout_s=5) == 1  # the real one, now that it is registered
     assert _steps_until_free(producer) == 0
+
+
+def _flood(params: dict, n: int, id_chars: int = 40) -> None:
+    "n DONEs for ids the producer never ran (random, `id_chars` long), each with a well-shaped digest."
+    import json
+    import secrets
+
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{params['remote_port']}")
+    try:
+        for _ in range(n):
+            body = {"req_id": secrets.token_hex(id_chars // 2), "tag": "x", "digest": "0" * 64}
+            sock.send_multipart([b"DONE", json.dumps(body).encode()])
+        for _ in range(n):
+            assert sock.poll(10_000), "the producer stopped answering"
+            assert sock.recv_multipart()[0] == b"ACK"
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_flood_of_forged_dones_stores_nothing_and_keeps_the_real_one(producer):
+    """Break pass 15A: any DONE for an unknown id was remembered (1024 ids, 4 digests each, any length):
+    300 forged DONEs with 0.8 MB ids held 491 MB, and 1100 of them after the proxy's real release pushed it
+    out (3 blocks held for abort_timeout_s). Now only a request the engine runs is remembered."""
+    params = _prefill_without_the_next_step(producer, "flooded", list(range(300, 340)))
+    assert release_remote_blocks(params, timeout_s=5) == 1  # the real release, early
+    _flood(params, 1100)
+    _flood(params, 20, id_chars=100_000)
+    worker = producer.llm_engine.engine_core.engine_core.model_executor.driver_worker
+    early = worker.model_runner.kv_connector.connector_worker._early_done
+    assert set(early) == {params["remote_request_id"]}, len(early)
+    assert _steps_until_free(producer) == 0

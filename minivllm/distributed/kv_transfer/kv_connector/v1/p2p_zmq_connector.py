@@ -63,12 +63,15 @@ class RecvReqMeta:
 @dataclass
 class P2pZmqConnectorMetadata(KVConnectorMetadata):
     """This step's pulls (consumer), servable requests (producer: block ids, deadline, digest) and the pulls
-    to drop (consumer: requests aborted while their KV was arriving).
+    to drop (consumer: requests aborted while their KV was arriving); the producer's requests that may
+    become servable (`reqs_in_batch`), and those that finished without (`reqs_not_processed`).
     Source: vLLM v0.15 nixl_connector.py `NixlConnectorMetadata` (role; `reqs_to_cancel`: minivllm's own)."""
 
     reqs_to_recv: dict[str, RecvReqMeta] = field(default_factory=dict)
     reqs_to_send: dict[str, tuple[list[int], float, str]] = field(default_factory=dict)
     reqs_to_cancel: set[str] = field(default_factory=set)
+    reqs_in_batch: set[str] = field(default_factory=set)  # producer: do_remote_decode requests scheduled
+    reqs_not_processed: set[str] = field(default_factory=set)  # of those, finished without being held
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2914bad3
 _MAX_REMOTE_TP_SIZE = 64  # producer ranks one consumer rank may tell DONE (3 ZeroMQ sockets each)
@@ -168,9 +171,13 @@ class P2pZmqConnectorScheduler:
         self._reqs_to_send: dict[str, tuple[list[int], float, str]] = {}
         self._recving: set[str] = set()  # pulls handed to the worker and not finished yet
         self._reqs_to_cancel: set[str] = set()  # of those, requests aborted since the last step
+        self._reqs_in_batch: set[str] = set()  # producer: do_remote_decode requests scheduled since then
+        self._reqs_not_processed: set[str] = set()  # producer: such requests finished without being held
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode") is True:
+            self._reqs_in_batch.add(request.request_id)  # its worker may hear its DONE before it is held
         if not params or not params.get("do_remote_prefill") or num_external_tokens == 0:
             return
         local_ids = blocks.get_block_ids()[0]
@@ -196,9 +203,16 @@ class P2pZmqConnectorScheduler:
         params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: Any) -> P2pZmqConnectorMetadata:
-        meta = P2pZmqConnectorMetadata(self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel)
+        meta = P2pZmqConnectorMetadata(
+            self._reqs_to_recv,
+            self._reqs_to_send,
+            self._reqs_to_cancel,
+            self._reqs_in_batch,
+            self._reqs_not_processed,
+        )
         self._recving.update(rid for rid, m in self._reqs_to_recv.items() if m.local_block_ids)
         self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel = {}, {}, set()
+        self._reqs_in_batch, self._reqs_not_processed = set(), set()
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -303,6 +317,7 @@ def request_finished(
         )
         return False, None
     if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+        self._reqs_not_processed.add(request.request_id)  # never held: its worker forgets it
         return False, None
     deadline = time.time() + self.abort_timeout_s
     digest = prompt_digest(request, self.weights)
@@ -385,7 +400,8 @@ class P2pZmqConnectorWorker:
         self._lock = threading.Lock()
         self._to_send: dict[str, tuple[list[int], float, str]] = {}
         self._released: OrderedDict[str, None] = OrderedDict()  # the last ids freed: a READ of one is refused
-        self._early_done: OrderedDict[str, set[str]] = OrderedDict()  # DONEs' digests before registration
+        self._reqs_to_process: set[str] = set()  # do_remote_decode requests running, not held yet
+        self._early_done: dict[str, set[str]] = {}  # of those, the digests of DONEs heard already
         self._served: dict[str, set[bytes]] = {}  # a held request -> the connections already sent its KV
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -404,8 +420,13 @@ class P2pZmqConnectorWorker:
 
     def start_load_kv(self, meta: P2pZmqConnectorMetadata) -> None:
         with self._lock:
+            self._reqs_to_process |= meta.reqs_in_batch
+            for rid in meta.reqs_not_processed:
+                self._reqs_to_process.discard(rid)
+                self._early_done.pop(rid, None)
             self._to_send.update(meta.reqs_to_send)
             for rid, (_, _, digest) in meta.reqs_to_send.items():
+                self._reqs_to_process.discard(rid)
                 self._released.pop(rid, None)  # an id its engine registers again is served again
                 if digest in self._early_done.pop(rid, ()):  # its DONE came before this step
                     self._release(rid)
@@ -552,8 +573,9 @@ def _reply(kind: bytes, tag: Any, *frames: Any, **header: Any) -> list:
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #9b46e8a8
 _MAX_RELEASED = 1 << 14  # freed request ids a producer remembers (a READ of one is refused at once)
 _MAX_READERS = 8  # connections one held request's KV is sent to (once each)
-_MAX_EARLY_DONE = 1 << 10  # requests not registered yet whose DONE a producer remembers
-_MAX_EARLY_DIGESTS = 4  # digests remembered for one of them (a forged DONE cannot push out the real one)
+_MAX_EARLY_DIGESTS = (
+    4  # DONE digests remembered for one running request (a forged one cannot push out the real)
+)
 
 
 @patch
@@ -589,18 +611,22 @@ def _note_early_done(self: P2pZmqConnectorWorker, rid: str, digest: Any) -> None
     """With `_lock` held: a DONE for `rid`, which is neither held nor freed. Its engine may have finished it
     and handed out its parameters while this worker learns of it only at the next step's `start_load_kv`:
     a DONE sent at once (the proxy's release for a client that left) fell in between, was ACKed, and the
-    blocks were held for `abort_timeout_s`. It is remembered (for the `_MAX_EARLY_DONE` latest ids, up to
-    `_MAX_EARLY_DIGESTS` digests each) and frees the request when it is registered with one of them.
-    Source: vLLM v0.15 nixl_connector.py `NixlConnectorWorker._reqs_to_process` (a notification that
-    comes before the request's send is registered)."""
-    if not isinstance(digest, str):
+    blocks were held for `abort_timeout_s`. It is remembered only for a request the engine runs
+    (`_reqs_to_process`, from the metadata's `reqs_in_batch`), with a digest of `prompt_digest`'s shape,
+    up to `_MAX_EARLY_DIGESTS` of them; it frees the request when it is registered with one of them. A
+    flood of DONEs for other ids stores nothing (with any id accepted, 300 forged DONEs of 0.8 MB each
+    held 491 MB, and 1100 of them pushed the real one out). Source: vLLM v0.15 nixl_connector.py
+    `NixlConnectorWorker._reqs_to_process` (a notification that comes before the send is registered)."""
+    if rid not in self._reqs_to_process or not _is_digest(digest):
         return
     digests = self._early_done.setdefault(rid, set())
     if len(digests) < _MAX_EARLY_DIGESTS:
         digests.add(digest)
-    self._early_done.move_to_end(rid)
-    while len(self._early_done) > _MAX_EARLY_DONE:
-        self._early_done.popitem(last=False)
+
+
+def _is_digest(value: Any) -> bool:
+    "Whether `value` has `prompt_digest`'s shape: 64 lowercase hex digits (a SHA-256)."
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2279bd1b
 @patch
