@@ -188,7 +188,10 @@ def validate_lora_adapter(lora_request: Any, lora_config: Any, hf_config: Any) -
     return helper
 
 # %% ../../nbs/30j_lora_models.ipynb #bcb2aac9
-_FINGERPRINTS: OrderedDict = OrderedDict()  # (real path, files' stat) -> hex BLAKE3; 256 kept
+_FINGERPRINTS: OrderedDict = OrderedDict()  # (real path, files' stat) -> hex BLAKE3
+# kept for as many adapters as a long queue may name: the scheduler checks each waiting request's adapter
+# each step (chapter 23), and with 256 kept, 300 waiting adapters were read and hashed again every step
+_MAX_FINGERPRINTS = 1 << 14
 
 
 def adapter_fingerprint(lora_path: str) -> str:
@@ -213,7 +216,7 @@ def adapter_fingerprint(lora_path: str) -> str:
                 h.update(chunk)
         h.update(b";")
     _FINGERPRINTS[key] = h.hexdigest()
-    if len(_FINGERPRINTS) > _MAX_VALIDATED:
+    if len(_FINGERPRINTS) > _MAX_FINGERPRINTS:
         _FINGERPRINTS.popitem(last=False)
     return _FINGERPRINTS[key]
 

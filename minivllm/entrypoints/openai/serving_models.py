@@ -19,6 +19,7 @@ from minivllm.entrypoints.openai.protocol import (
     OpenAIBaseModel,
 )
 from ...lora.request import LoRARequest
+from ...sampling_params import is_valid_unicode
 
 
 @dataclass
@@ -116,13 +117,17 @@ async def load_lora_adapter(
     self: OpenAIServingModels, request: LoadLoRAAdapterRequest
 ) -> ErrorResponse | str:
     """Serve the adapter at `request.lora_path` as model `request.lora_name`; an `ErrorResponse` (400
-    naming the field) for a missing field, a name already served, or an adapter `lora_validator` refuses.
+    naming the field) for a missing field, one that is not valid Unicode (a lone surrogate), a name already
+    served, or an adapter `lora_validator` refuses.
     Source: vLLM v0.15 serving_models.py `load_lora_adapter`."""
     name, path = request.lora_name, request.lora_path
     if not name or not path:
         return _lora_error(
             "Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name else "lora_path"
         )
+    for field, value in (("lora_name", name), ("lora_path", path)):
+        if not is_valid_unicode(value):  # once registered, every /v1/models answer failed to encode it
+            return _lora_error(f"{field}: the text holds a lone UTF-16 surrogate (not valid Unicode).", field)
     if name in self.lora_requests or self.is_base_model(name):
         return _lora_error(f"The lora adapter '{name}' has already been loaded.", "lora_name")
     lora = LoRARequest(name, next(self.lora_id_counter), path, self.model_name)

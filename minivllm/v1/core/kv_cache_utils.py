@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import pickle
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -163,11 +164,26 @@ def need_extra_keys(request) -> bool:
     )
 
 
-def _gen_lora_extra_hash_keys(request) -> list[tuple[str, str]]:
+def _gen_lora_extra_hash_keys(request) -> list[tuple[str, ...]]:
+    """`("lora", lora_name, content)` for a LoRA request (tagged: a salt of the same text is another key).
+    `content` is the adapter's (`lora_fingerprint`, the engine's pin, else `adapter_fingerprint` of its
+    folder, chapter 30j): one name unloaded and loaded again from another folder once found the first
+    adapter's KV in the prefix cache (wrong tokens). A request naming no folder keys by name alone.
+    Source: vLLM v0.15 v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys` (by name there)."""
     lora = getattr(request, "lora_request", None)
     if lora is None:
         return []
-    return [("lora", getattr(lora, "lora_name", lora))]  # tagged: a salt of the same text is another key
+    name = getattr(lora, "lora_name", lora)
+    content = getattr(lora, "lora_fingerprint", None)
+    path = getattr(lora, "lora_path", None)
+    if content is None and path is not None:
+        from minivllm.lora.models import adapter_fingerprint  # chapter 30j; stat-cached
+
+        try:
+            content = adapter_fingerprint(path)
+        except (OSError, TypeError, ValueError):  # the request fails at load: its KV is nobody's
+            content = f"unreadable:{uuid.uuid4().hex}"
+    return [("lora", name) if content is None else ("lora", name, content)]
 
 # %% ../../../nbs/11_kv_cache_utils.ipynb #16917f7d
 def _gen_mm_extra_hash_keys(
