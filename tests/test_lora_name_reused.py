@@ -93,3 +93,24 @@ def test_a_surrogate_in_lora_name_is_a_400_and_registers_nothing(adapters):
     cards = asyncio.run(models.show_available_models())
     assert [c.id for c in cards.data] == ["tiny"]
     assert os.path.isdir(root / "a1")
+
+
+def test_pins_and_worker_fingerprints_stay_bounded(adapters, monkeypatch):
+    """4. (break pass 16, item 5) Each lora_int_id stayed pinned in the scheduler and fingerprinted in the
+    worker forever (1000 ids: 1000 entries each, 2 adapters loaded); a server's every load is a new id. Now
+    the scheduler keeps the `_MAX_LORA_PINS` latest (8 here) and the worker only its cached adapters'."""
+    from minivllm.v1.core.sched import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "_MAX_LORA_PINS", 8, raising=False)
+    base, root = adapters
+    llm = LLM(base, **KW, max_loras=1, max_cpu_loras=2)
+    try:
+        for i in range(12):
+            _run(llm, LoRARequest(f"a{i}", i + 1, str(root / "a1")))
+        core = llm.llm_engine.engine_core.engine_core
+        worker = core.model_executor.driver_worker.model_runner.lora_manager
+        assert len(core.scheduler._lora_pins) == 8
+        assert set(worker.fingerprints) <= set(worker.adapter_manager.list_adapters())
+        assert len(worker.fingerprints) <= 2
+    finally:
+        llm.llm_engine.shutdown()

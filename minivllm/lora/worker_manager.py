@@ -114,6 +114,8 @@ def add_adapter(self: LRUCacheWorkerLoRAManager, lora_request: LoRARequest) -> b
     if lora_request.lora_int_id not in manager.list_adapters():
         manager.add_adapter(self._load_adapter(lora_request))
         loaded = True
+        cached = manager.list_adapters()  # forget the content of adapters the LRU dropped: ids never recur
+        self.fingerprints = {i: f for i, f in self.fingerprints.items() if i in cached}
     manager.activate_adapter(lora_request.lora_int_id)
     return loaded
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Iterable
 
 import msgspec
@@ -174,24 +174,31 @@ def _take_scheduled_spec_decode_tokens(self: Scheduler) -> dict[str, list[int]]:
     return spec
 
 # %% ../../../../nbs/23_scheduler.ipynb #e4e4e91a
+_MAX_LORA_PINS = 1 << 12  # adapter ids an engine remembers the content of (the least recent is dropped)
+
+
 @patch
 def _pin_lora(self: Scheduler, request: Request) -> None:
     """Give `request` this engine's pin of its adapter: `request.lora_request` becomes a copy whose
     `lora_fingerprint` is the content pinned for its `lora_int_id` (taken now, `adapter_fingerprint` of
     `lora_path`, if this is the engine's first request of that id); the caller's object is not changed. A
-    folder that cannot be read pins nothing yet (`_lora_changed` refuses the request). Source: minivllm's
-    own."""
+    folder that cannot be read pins nothing yet (`_lora_changed` refuses the request). The `_MAX_LORA_PINS`
+    most recent ids are remembered; an id dropped is pinned again at its next request (a worker still
+    holding other content refuses it). Source: minivllm's own."""
     lora = request.lora_request
     if lora is None:
         return
     from minivllm.lora.models import adapter_fingerprint
 
-    pins = self.__dict__.setdefault("_lora_pins", {})  # lora_int_id -> hex BLAKE3 of its folder
+    pins = self.__dict__.setdefault("_lora_pins", OrderedDict())  # lora_int_id -> hex BLAKE3 of its folder
     if lora.lora_int_id not in pins:
         try:
             pins[lora.lora_int_id] = adapter_fingerprint(lora.lora_path)
         except (OSError, TypeError, ValueError):
             return
+    pins.move_to_end(lora.lora_int_id)
+    while len(pins) > _MAX_LORA_PINS:  # a server loading adapters for months: each load is a new id
+        pins.popitem(last=False)
     if lora.lora_fingerprint != pins[lora.lora_int_id]:
         request.lora_request = msgspec.structs.replace(lora, lora_fingerprint=pins[lora.lora_int_id])
 
