@@ -206,7 +206,8 @@ def test_metrics_series_match_vllm(real):
     assert delta("vllm:request_generation_tokens_sum") == 4 and delta("vllm:request_generation_tokens_count") == 1
     assert delta("vllm:inter_token_latency_seconds_count") >= 1                  # token batches after the first
     assert delta("vllm:request_decode_time_seconds_count") == 1
-    assert delta("vllm:prefix_cache_queries_total") == r.usage.prompt_tokens
+    me = (("engine", "0"), ("model_name", "tiny"))  # fed from SchedulerStats: one series per engine
+    assert after.get(("vllm:prefix_cache_queries_total", me), 0.0) - before.get(("vllm:prefix_cache_queries_total", me), 0.0) == r.usage.prompt_tokens
     assert after[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))] >= 1
 
 

@@ -270,8 +270,9 @@ def test_metrics_move_by_known_amounts(server):
     assert delta(("vllm:e2e_request_latency_seconds_count", m)) == 1
     assert delta(("vllm:time_to_first_token_seconds_count", m)) == 1
     assert delta(("vllm:request_time_per_output_token_seconds_count", m)) == 1
+    me = (("engine", "0"), ("model_name", "tiny"))  # fed from SchedulerStats: one series per engine
     for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-        assert (name, m) in after, name
+        assert (name, me) in after, name
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(server):
@@ -349,7 +350,7 @@ def test_minivllm_serve_cli(tmp_path):
 def test_metrics_prefix_cache_hits(server):
     if is_fake(server): pytest.skip("the fake engine has no prefix cache")
     server.wait_idle()
-    m = (("model_name", "tiny"),)
+    m = (("engine", "0"), ("model_name", "tiny"))
     prompt = "A shared prefix long enough to fill several KV cache blocks of sixteen tokens, " * 3
     first = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     server.wait_idle()

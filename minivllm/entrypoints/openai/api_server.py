@@ -239,10 +239,13 @@ def build_app(
     )
     # token-count buckets up to max_model_len
     lora_config = getattr(getattr(engine_client, "vllm_config", None), "lora_config", None)
+    parallel_config = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+    dp = getattr(parallel_config, "data_parallel_size", 1) or 1
     s.stat_logger = PrometheusStatLogger(
         models.model_name,
         max_model_len=max_model_len,
         max_loras=lora_config.max_loras if lora_config is not None else None,  # vllm:lora_requests_info
+        engine_indexes=range(dp),  # engine="i" series, one per DP engine
     )
     engine_client.stat_loggers.append(s.stat_logger)
 

@@ -149,7 +149,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--trace-steps",
         default=None,
         metavar="FILE",
-        help="Write one JSON line per engine step to FILE (minivllm.v1.engine.step_trace.load_step_trace).",
+        help="Write one JSON line per engine step to FILE (minivllm.v1.engine.step_trace.load_step_trace); "
+        "with --data-parallel-size N, engine r > 0 writes FILE with .dp<r> before the suffix "
+        "(trace.jsonl -> trace.dp1.jsonl).",
     )
     eng.add_argument("--enable-lora", action="store_true", default=None, help="Serve LoRA adapters.")
     eng.add_argument("--max-loras", type=int, default=None, help="LoRA adapters usable in one step (slots).")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -275,13 +276,27 @@ def _process_outputs(
             self._req_stats.pop(out.request_id, None)
 
 
+def _takes_engine_idx(stat_logger: Any) -> bool:
+    "Whether `stat_logger.record` accepts vLLM's `engine_idx` keyword (a two-argument logger does not)."
+    try:
+        params = inspect.signature(stat_logger.record).parameters
+    except (TypeError, ValueError):
+        return False
+    return "engine_idx" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 @patch
-def _record_stats(self: AsyncLLM, scheduler_stats: Any, iteration_stats: IterationStats | None) -> None:
+def _record_stats(
+    self: AsyncLLM, scheduler_stats: Any, iteration_stats: IterationStats | None, engine_idx: int = 0
+) -> None:
+    """Give one step's stats of engine `engine_idx` to every stat logger. Source: vLLM v0.15
+    v1/engine/async_llm.py `output_handler` (`record(..., engine_idx=outputs.engine_index)`)."""
     if scheduler_stats is not None:
         self.last_scheduler_stats = scheduler_stats
     for stat_logger in self.stat_loggers:
         try:
-            stat_logger.record(scheduler_stats, iteration_stats)
+            kw = {"engine_idx": engine_idx} if _takes_engine_idx(stat_logger) else {}
+            stat_logger.record(scheduler_stats, iteration_stats, **kw)
         except Exception:
             logger.exception("stat logger %r failed", stat_logger)
 
@@ -315,7 +330,7 @@ async def _run_output_handler(self: AsyncLLM) -> None:
                 self._process_outputs(processed.request_outputs, iteration_stats, now)
                 if processed.reqs_to_abort:
                     await core.abort_requests_async(processed.reqs_to_abort)
-            self._record_stats(outputs.scheduler_stats, iteration_stats)
+            self._record_stats(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
     except asyncio.CancelledError:
         raise
     except BaseException as e:

@@ -16,6 +16,7 @@ from ...config import VllmConfig
 from . import EngineCoreOutputs, EngineCoreRequest
 from .core_client import EngineCoreClient
 from .core_client_mp import AsyncMPClient
+from .step_trace import dp_trace_path
 
 # %% auto #0
 __all__ = ['dp_engine_config', 'DPLBAsyncMPClient']
@@ -23,8 +24,9 @@ __all__ = ['dp_engine_config', 'DPLBAsyncMPClient']
 # %% ../../../nbs/29g_core_client_dp.ipynb #8b3c51e2
 def dp_engine_config(vllm_config: VllmConfig, index: int) -> VllmConfig:
     """Data-parallel engine `index`'s deep copy of `vllm_config`: the KV and EC connectors' `engine_id` end in
-    `_dp<index>` and `kv_transfer_config.kv_port` is moved by `index * tensor_parallel_size`.
-    Source: vLLM v0.15 v1/engine/core.py `EngineCoreProc.run_engine_core` (the engine_id suffix)."""
+    `_dp<index>`, `kv_transfer_config.kv_port` is moved by `index * tensor_parallel_size`, and the step trace
+    file is `dp_trace_path(trace_steps, index)`. Source: vLLM v0.15 v1/engine/core.py
+    `EngineCoreProc.run_engine_core` (the engine_id suffix; the trace file is minivllm's own)."""
     cfg = copy.deepcopy(vllm_config)
     kvt = getattr(cfg, "kv_transfer_config", None)
     if kvt is not None:
@@ -33,6 +35,9 @@ def dp_engine_config(vllm_config: VllmConfig, index: int) -> VllmConfig:
     ect = getattr(cfg, "ec_transfer_config", None)
     if ect is not None:
         ect.engine_id = f"{ect.engine_id}_dp{index}"
+    obs = getattr(cfg, "observability_config", None)
+    if getattr(obs, "trace_steps", None):
+        obs.trace_steps = dp_trace_path(obs.trace_steps, index)
     return cfg
 
 # %% ../../../nbs/29g_core_client_dp.ipynb #7e44e907

@@ -25,7 +25,7 @@ from minivllm.v1.core.kv_cache_invariants import (
 
 # %% auto #0
 __all__ = ['StepTrace', 'split_prefill_decode', 'StepTraceRecorder', 'install_step_observers', 'load_step_trace',
-           'load_step_trace_header', 'resolve_trace_steps', 'RequestLatency', 'request_latencies']
+           'load_step_trace_header', 'resolve_trace_steps', 'dp_trace_path', 'RequestLatency', 'request_latencies']
 
 # %% ../../../nbs/24c_step_trace.ipynb #b5f36b29
 @dataclass
@@ -312,6 +312,16 @@ def resolve_trace_steps(trace_steps: bool | str | None) -> str | None:
         os.close(fd)
         return path
     return os.fspath(trace_steps) if trace_steps else None
+
+
+def dp_trace_path(path: str, dp_rank: int) -> str:
+    """The trace file data-parallel engine `dp_rank` writes when the run asked for `path`: rank 0 keeps
+    `path`, rank r > 0 inserts `.dp<r>` before the suffix (`trace.jsonl` -> `trace.dp1.jsonl`; no suffix:
+    `trace` -> `trace.dp1`), so no two engine-core processes write one file. Source: minivllm's own."""
+    if dp_rank == 0:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.dp{dp_rank}{ext}"
 
 # %% ../../../nbs/24c_step_trace.ipynb #e3dbcf6f
 @dataclass

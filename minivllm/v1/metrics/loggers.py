@@ -5,6 +5,7 @@
 # %% ../../../nbs/52_metrics_loggers.ipynb #4314a97f
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import prometheus_client
@@ -102,8 +103,10 @@ E2E_BUCKETS = [
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #214badf0
 class PrometheusStatLogger:
-    """Exports engine stats as `vllm:*` Prometheus metrics labelled with `model_name`.
+    """Exports engine stats as `vllm:*` Prometheus metrics labelled with `model_name` (and `engine`, the
+    engine index, for those fed from `SchedulerStats`).
 
+    `engine_indexes`: the engines whose series exist (at 0) before their first step (`range(dp)`).
     `registry`: where the metrics live (a fresh `CollectorRegistry` by default, so two servers in one
     process do not collide). `max_model_len` bounds the token-count buckets (vLLM's default context
     when not given). Source: vLLM v0.15 v1/metrics/loggers.py `PrometheusStatLogger`."""
@@ -114,6 +117,7 @@ class PrometheusStatLogger:
         registry: CollectorRegistry | None = None,
         max_model_len: int | None = None,
         max_loras: int | None = None,
+        engine_indexes: Iterable[int] = (0,),
     ):
         prometheus_client.disable_created_metrics()  # process-wide, as vLLM does
         self.model_name = model_name
@@ -123,47 +127,12 @@ class PrometheusStatLogger:
         self.max_loras = max_loras
         self.gauge_lora_info = self._make_lora_info_gauge()  # None without LoRA
 
-        def gauge(name, doc):
-            return Gauge(name, doc, L, registry=r).labels(model_name)
-
         def counter(name, doc):
             return Counter(name, doc, L, registry=r).labels(model_name)
 
         def histogram(name, doc, buckets):
             return Histogram(name, doc, L, buckets=buckets, registry=r).labels(model_name)
 
-        self.gauge_scheduler_running = gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
-        self.gauge_scheduler_waiting = gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        )
-        self.gauge_kv_cache_usage = gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        )
-        self.counter_prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
-        self.counter_prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.counter_connector_prefix_cache_queries = counter(
-            "vllm:external_prefix_cache_queries",
-            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
-            "number of queried tokens.",
-        )
-        self.counter_connector_prefix_cache_hits = counter(
-            "vllm:external_prefix_cache_hits",
-            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
-            "number of cached tokens.",
-        )
-        self._kv_connector_counters: dict[
-            str, Any
-        ] = {}  # one per name a connector reports, made when first seen
-        self._counter = counter
-        self.counter_num_preempted_reqs = counter(
-            "vllm:num_preemptions", "Cumulative number of preemptions from the engine."
-        )
         self.counter_prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -175,9 +144,85 @@ class PrometheusStatLogger:
             registry=r,
         )
         self._make_histograms(histogram, token_buckets)
-        self._make_kv_residency_histograms(histogram)
-        self._last_preemptions = 0
+        self._make_engine_metrics()
+        self._last_preemptions: dict[str, int] = {}  # engine label -> the running total seen last
         self.spec_decoding_prom: SpecDecodingProm | None = None  # vllm:spec_decode_*, made at the first draft
+        for index in engine_indexes:
+            self._engine_label(index)
+
+# %% ../../../nbs/52_metrics_loggers.ipynb #bf9d7db3
+@patch
+def _make_engine_metrics(self: PrometheusStatLogger) -> None:
+    """The per-engine families (labels `model_name`, `engine`): scheduler gauges, prefix-cache, external
+    prefix-cache, preemption and connector counters, KV residency histograms. Source: vLLM v0.15
+    v1/metrics/loggers.py `PrometheusStatLogger.__init__` (labelnames `["model_name", "engine"]`)."""
+    r, L = self.registry, ["model_name", "engine"]
+
+    def gauge(name, doc):
+        return Gauge(name, doc, L, registry=r)
+
+    def counter(name, doc):
+        return Counter(name, doc, L, registry=r)
+
+    def histogram(name, doc, buckets):
+        return Histogram(name, doc, L, buckets=buckets, registry=r)
+
+    self.gauge_scheduler_running = gauge(
+        "vllm:num_requests_running", "Number of requests in model execution batches."
+    )
+    self.gauge_scheduler_waiting = gauge(
+        "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+    )
+    self.gauge_kv_cache_usage = gauge(
+        "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+    )
+    self.counter_prefix_cache_queries = counter(
+        "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+    )
+    self.counter_prefix_cache_hits = counter(
+        "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+    )
+    self.counter_connector_prefix_cache_queries = counter(
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+        "number of queried tokens.",
+    )
+    self.counter_connector_prefix_cache_hits = counter(
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+        "number of cached tokens.",
+    )
+    self._kv_connector_counters: dict[str, Any] = {}  # one per name a connector reports, made when first seen
+    self._counter = counter
+    self.counter_num_preempted_reqs = counter(
+        "vllm:num_preemptions", "Cumulative number of preemptions from the engine."
+    )
+    self._make_kv_residency_histograms(histogram)
+    self._engines: set[str] = set()
+
+
+@patch
+def _engine_label(self: PrometheusStatLogger, engine_idx: int) -> str:
+    "Engine `engine_idx`'s label value; its series of every per-engine family are made the first time."
+    e = str(engine_idx)
+    if e not in self._engines:
+        self._engines.add(e)
+        for family in (
+            self.gauge_scheduler_running,
+            self.gauge_scheduler_waiting,
+            self.gauge_kv_cache_usage,
+            self.counter_prefix_cache_queries,
+            self.counter_prefix_cache_hits,
+            self.counter_connector_prefix_cache_queries,
+            self.counter_connector_prefix_cache_hits,
+            self.counter_num_preempted_reqs,
+            self.histogram_kv_block_lifetime,
+            self.histogram_kv_block_idle_before_evict,
+            self.histogram_kv_block_reuse_gap,
+            *self._kv_connector_counters.values(),
+        ):
+            family.labels(self.model_name, e)
+    return e
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #9ea1155a
 @patch
@@ -272,7 +317,8 @@ KV_RESIDENCY_BUCKETS = [
 
 @patch
 def _make_kv_residency_histograms(self: PrometheusStatLogger, histogram: Any) -> None:
-    "vLLM's `vllm:kv_block_*` histograms. Source: vLLM v0.15 v1/metrics/loggers.py (KV cache residency)."
+    """vLLM's `vllm:kv_block_*` histograms (per-engine families: `histogram` makes one labelled `model_name`,
+    `engine`). Source: vLLM v0.15 v1/metrics/loggers.py (KV cache residency)."""
     self.histogram_kv_block_lifetime = histogram(
         "vllm:kv_block_lifetime_seconds",
         "KV cache block lifetime from allocation to eviction.",
@@ -291,21 +337,43 @@ def _make_kv_residency_histograms(self: PrometheusStatLogger, histogram: Any) ->
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #a237dcb5
 @patch
-def _record_connector(self: PrometheusStatLogger, scheduler_stats: Any) -> None:
+def _record_connector(self: PrometheusStatLogger, scheduler_stats: Any, e: str) -> None:
     """Add the step's external prefix-cache figures and `kv_connector_stats` counts (numbers by name) to
-    their counters. Source: vLLM v0.15 v1/metrics/loggers.py `PrometheusStatLogger.record` (the connector
-    part)."""
+    engine `e`'s counters. Source: vLLM v0.15 v1/metrics/loggers.py `PrometheusStatLogger.record` (the
+    connector part)."""
     cps = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
     if cps is not None and cps.queries:
-        self.counter_connector_prefix_cache_queries.inc(cps.queries)
-        self.counter_connector_prefix_cache_hits.inc(cps.hits)
+        self.counter_connector_prefix_cache_queries.labels(self.model_name, e).inc(cps.queries)
+        self.counter_connector_prefix_cache_hits.labels(self.model_name, e).inc(cps.hits)
     for name, value in (getattr(scheduler_stats, "kv_connector_stats", None) or {}).items():
         if not isinstance(value, (int, float)) or value <= 0:
             continue
         if name not in self._kv_connector_counters:
             doc = f"KV connector statistic {name}, summed over steps."
             self._kv_connector_counters[name] = self._counter(f"vllm:kv_connector_{name}", doc)
-        self._kv_connector_counters[name].inc(value)
+        self._kv_connector_counters[name].labels(self.model_name, e).inc(value)
+
+
+@patch
+def _record_scheduler(self: PrometheusStatLogger, scheduler_stats: Any, e: str) -> None:
+    """Set engine `e`'s gauges from its `SchedulerStats`, turn its running preemption total into increments,
+    add its connector counts and KV residency samples. Source: vLLM v0.15 v1/metrics/loggers.py
+    `PrometheusStatLogger.record` (the scheduler part, `engine_idx`)."""
+    m = self.model_name
+    self.gauge_scheduler_running.labels(m, e).set(scheduler_stats.num_running_reqs)
+    self.gauge_scheduler_waiting.labels(m, e).set(scheduler_stats.num_waiting_reqs)
+    self.gauge_kv_cache_usage.labels(m, e).set(scheduler_stats.kv_cache_usage)
+    total = getattr(scheduler_stats, "num_preemptions", 0) or 0
+    last = self._last_preemptions.get(e, 0)
+    if total > last:
+        self.counter_num_preempted_reqs.labels(m, e).inc(total - last)
+    self._last_preemptions[e] = max(last, total)
+    self._record_connector(scheduler_stats, e)
+    for event in getattr(scheduler_stats, "kv_cache_eviction_events", None) or ():
+        self.histogram_kv_block_lifetime.labels(m, e).observe(event.lifetime_seconds)
+        self.histogram_kv_block_idle_before_evict.labels(m, e).observe(event.idle_seconds)
+        for gap in event.reuse_gaps_seconds:
+            self.histogram_kv_block_reuse_gap.labels(m, e).observe(gap)
 
 
 @patch
@@ -320,18 +388,15 @@ def _record_spec_decoding(self: PrometheusStatLogger, spec_decoding_stats: Any) 
 
 # %% ../../../nbs/52_metrics_loggers.ipynb #74604164
 @patch
-def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_stats: Any | None) -> None:
-    "Update the metrics from one step's stats; either may be None."
+def record(
+    self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_stats: Any | None, engine_idx: int = 0
+) -> None:
+    """Update the metrics from one step's stats of engine `engine_idx` (its `EngineCoreOutputs.engine_index`);
+    either stats may be None. Source: vLLM v0.15 v1/metrics/loggers.py `PrometheusStatLogger.record`."""
     pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
+    e = self._engine_label(engine_idx)
     if scheduler_stats is not None:
-        self.gauge_scheduler_running.set(scheduler_stats.num_running_reqs)
-        self.gauge_scheduler_waiting.set(scheduler_stats.num_waiting_reqs)
-        self.gauge_kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-        total = getattr(scheduler_stats, "num_preemptions", 0) or 0
-        if total > self._last_preemptions:
-            self.counter_num_preempted_reqs.inc(total - self._last_preemptions)
-        self._last_preemptions = max(self._last_preemptions, total)
-        self._record_connector(scheduler_stats)
+        self._record_scheduler(scheduler_stats, e)
         self._record_spec_decoding(getattr(scheduler_stats, "spec_decoding_stats", None))
         if self.gauge_lora_info is not None:
             self.gauge_lora_info.labels(
@@ -339,11 +404,6 @@ def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_st
                 waiting_lora_adapters=",".join(getattr(scheduler_stats, "waiting_lora_adapters", None) or {}),
                 running_lora_adapters=",".join(getattr(scheduler_stats, "running_lora_adapters", None) or {}),
             ).set_to_current_time()
-        for event in getattr(scheduler_stats, "kv_cache_eviction_events", None) or ():
-            self.histogram_kv_block_lifetime.observe(event.lifetime_seconds)
-            self.histogram_kv_block_idle_before_evict.observe(event.idle_seconds)
-            for gap in event.reuse_gaps_seconds:
-                self.histogram_kv_block_reuse_gap.observe(gap)
     if pcs is not None:
         queries, hits = pcs.queries, pcs.hits
     elif iteration_stats is not None:
@@ -351,8 +411,8 @@ def record(self: PrometheusStatLogger, scheduler_stats: Any | None, iteration_st
     else:
         queries = hits = 0
     if queries:
-        self.counter_prefix_cache_queries.inc(queries)
-        self.counter_prefix_cache_hits.inc(hits)
+        self.counter_prefix_cache_queries.labels(self.model_name, e).inc(queries)
+        self.counter_prefix_cache_hits.labels(self.model_name, e).inc(hits)
     if iteration_stats is None:
         return
     if iteration_stats.num_prompt_tokens:
