@@ -265,6 +265,8 @@ def _verify_types(self: SamplingParams) -> None:
     _check_kv_transfer_params((self.extra_args or {}).get("kv_transfer_params"))
     for name in ("stop", "extra_args"):
         _check_text(name, getattr(self, name))
+    if isinstance(self.structured_outputs, msgspec.Struct):  # a regex, choice, schema or grammar
+        _check_text("structured_outputs", msgspec.structs.asdict(self.structured_outputs))
     if self.structured_outputs is not None and not isinstance(
         self.structured_outputs, StructuredOutputsParams
     ):

@@ -301,6 +301,21 @@ def _get_mm_identifier(self: InputProcessor, mm_hash: str, lora_request: Any) ->
     return f"{lora_request.lora_name}:{mm_hash}"
 
 # %% ../../../nbs/25_input_processor.ipynb #862159f2
+def _check_texts(prompt: Any, cache_salt: Any, lora_request: Any) -> None:
+    """ValueError naming the field for a lone UTF-16 surrogate in the prompt's text, `cache_salt`, or the
+    adapter's `lora_name` / `lora_path`: the request could not be sent to the engine process (a bare
+    `UnicodeEncodeError`; with `lora_name` or `cache_salt` the next `generate()` then hung). Source:
+    minivllm's own."""
+    from minivllm.sampling_params import _check_text
+
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    _check_text("prompt", text if isinstance(text, str) else None)
+    _check_text("cache_salt", cache_salt)
+    _check_text("cache_salt", prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+    for field in ("lora_name", "lora_path"):
+        _check_text(f"lora_request.{field}", getattr(lora_request, field, None))
+
+
 @patch
 def process_inputs(
     self: InputProcessor,
@@ -324,6 +339,7 @@ def process_inputs(
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a str; got {type(request_id).__name__}")
     self._validate_params(params, priority)
+    _check_texts(prompt, cache_salt, lora_request)  # before a path is opened or a name is sent
     self._validate_lora(lora_request)
     if isinstance(prompt, dict):
         cache_salt = cache_salt or prompt.get("cache_salt")

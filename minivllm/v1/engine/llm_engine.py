@@ -170,16 +170,35 @@ def add_request(
     n = request.sampling_params.n
     if n == 1:
         self.output_processor.add_request(request, prompt_text, None, 0)
-        self.engine_core.add_request(request)
+        self._send_or_forget([request])
         return request.request_id
     parent_req = ParentRequest(request)
+    children = []
     for idx in range(n):
         child_id, child_params = parent_req.get_child_info(idx)
         child = request if idx == n - 1 else copy.copy(request)
         child.request_id, child.sampling_params = child_id, child_params
         self.output_processor.add_request(child, prompt_text, parent_req, idx)
-        self.engine_core.add_request(child)
+        children.append(child)
+    self._send_or_forget(children)
     return request.request_id
+
+
+@patch
+def _send_or_forget(self: LLMEngine, requests: list[EngineCoreRequest]) -> None:
+    """Send `requests` (registered in the output processor) to the engine core; if one cannot be sent (a
+    value the engine process cannot be sent), forget them all, abort those sent, and re-raise. Before, the
+    request stayed registered though never sent, and the next `generate()` waited for it forever."""
+    sent: list[str] = []
+    try:
+        for request in requests:
+            self.engine_core.add_request(request)
+            sent.append(request.request_id)
+    except BaseException:
+        self.output_processor.abort_requests([r.request_id for r in requests], internal=True)
+        if sent:
+            self.engine_core.abort_requests(sent)
+        raise
 
 # %% ../../../nbs/29b_llm_engine.ipynb #470c63c1
 @patch
