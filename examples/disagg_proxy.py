@@ -22,9 +22,11 @@ producer holds for it.
 
 A client that disconnects while its request waits for the decode (or, streamed, for the decode's first bytes)
 cancels that call, so the decode server aborts the request, as a stream's disconnect does. The rule for the
-producer's blocks: every set of `kv_transfer_params` the proxy received and did not see through to a finished
-decode is released by the proxy itself (DONE with `prompt_digest` to every producer rank,
-`release_remote_blocks`): a decode it cancelled, a stream that ended early, a decode that failed. The decode
+producer's blocks: every set of `kv_transfer_params` the proxy received is released by the proxy itself once
+its decode is over (DONE with `prompt_digest` to every producer rank, `release_remote_blocks`): a decode it
+cancelled, a stream that ended early, a decode that failed, and a decode that finished, which may not have
+pulled (a consumer whose adapter or weights differ refuses the KV and computes the prompt; its own DONE
+names its prompt's digest, which frees nothing, so the blocks stayed held for `abort_timeout_s`). The decode
 server does not do it: it aborts a request whose client left before its engine (and connector) saw it, and
 nobody told the producer, which held the blocks for `abort_timeout_s` (120 s). A DONE the consumer also sent,
 or one for blocks it pulled already, is harmless (the producer ACKs and frees nothing). A client that leaves
@@ -260,6 +262,8 @@ def build_app(
         (`release_remote_blocks`, with the parameters' `prompt_digest`); parameters without one (an older
         producer) are released as before, by asking a decode server that answered for the one-token request
         the producer served, which it pulls (this fails when the decode server refuses the prompt itself).
+        A decode that finished is released too, by `prompt_digest` only (`answered` False): it may not have
+        pulled (a consumer of another adapter or weights refuses the KV), and after a pull it frees nothing.
         """
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return
@@ -279,7 +283,8 @@ def build_app(
                            type(e).__name__, e)  # fmt: skip
 
     async def _relay(upstream: httpx.Response, release):
-        "Relay the decode's stream; `release()` (a coroutine) runs on its own task unless the stream ends."
+        """Relay the decode's stream; `release(ended)` (a coroutine) then runs on its own task, however it
+        ended (`ended`: the stream was relayed whole)."""
         ended = False
         try:
             async for chunk in upstream.aiter_raw():
@@ -289,9 +294,8 @@ def build_app(
             logger.warning("decode server %s: %s: %s (mid-stream)", decode_url, type(e).__name__, e)
             body = error_body(502, f"the decode server failed mid-stream: {type(e).__name__}: {e}")
             yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()  # after any partial event
-        finally:
-            if not ended:  # the client left (the generator is being cancelled: release on a task) or it broke
-                _in_background(release())
+        finally:  # released whatever the end: a decode that never pulled left the blocks held
+            _in_background(release(ended))  # on a task: the generator may be being cancelled (client left)
             await upstream.aclose()
 
     async def _handle(path: str, request: Request):
@@ -320,6 +324,8 @@ def build_app(
                 out = passthrough(answer)
                 if out.status_code != 200:  # refused, failed, or a 200 that is no answer
                     await _release(path, body, params, headers, answered=True)
+                else:  # it may not have pulled (it refused the KV): by prompt_digest only, no fallback
+                    _in_background(_release(path, body, params, headers, answered=False))
                 return out
             upstream = answer
         except httpx.HTTPError as e:  # down, timed out, or broke the connection: it took nothing
@@ -330,7 +336,8 @@ def build_app(
             await upstream.aclose()
             await _release(path, body, params, headers, answered=True)
             return passthrough(upstream)
-        relay = _relay(upstream, lambda: _release(path, body, params, headers, answered=True))
+        # a finished stream is released by prompt_digest only (`answered` False: no one-token fallback)
+        relay = _relay(upstream, lambda ended: _release(path, body, params, headers, answered=not ended))
         return StreamingResponse(relay, status_code=200, media_type="text/event-stream")
 
     @app.post("/v1/completions")

@@ -195,3 +195,35 @@ def test_a_burst_of_departing_clients_leaves_no_producer_block_held(ckpt):
         proxy.stop()
         cons.stop()
         prod.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_finished_decode_that_never_pulled_releases_the_producers_blocks(ckpt, stream):
+    """4. (break pass 16, item 4) A decode server that answers without pulling: a consumer whose adapter (or
+    weights) differ from the producer's refuses the KV and computes the prompt itself, and its own DONE
+    names its prompt's digest, which frees nothing. Before: the proxy released only decodes that failed or
+    were cut, and the producer held the blocks for `abort_timeout_s` (120 s). Now every decode's parameters
+    are released once it is over; a second DONE after a real pull frees nothing more."""
+
+    def answered(path, body):  # a complete answer, without a pull
+        if body.get("stream"):
+            return (
+                200,
+                "text/event-stream",
+                b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n',
+            )
+        return 200, "application/json", b'{"id": "d", "object": "text_completion", "choices": []}'
+
+    prod = _server(ckpt, "kv_producer")
+    decode = _Backend(reply=answered)
+    proxy = ServerThread(disagg_proxy.build_app(prod.url, decode.url, timeout_s=30)).start()
+    try:
+        body = {"model": "tiny", "prompt": list(range(5, 45)), "max_tokens": 4, "stream": stream}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, headers=HEADERS, timeout=30)
+        assert r.status_code == 200, r.text
+        took = _assert_released(prod, 5)
+        print(f"stream={stream}: the producer's blocks came back {took:.2f} s after the decode answered")
+    finally:
+        proxy.stop()
+        decode.stop()
+        prod.stop()
