@@ -97,7 +97,7 @@ def _load_adapter(self: LRUCacheWorkerLoRAManager, lora_request: LoRARequest) ->
     self.fingerprints[lora_request.lora_int_id] = before
     return lora
 
-
+# %% ../../nbs/30k_lora_worker_manager.ipynb #168d9ce6
 @patch
 def add_adapter(self: LRUCacheWorkerLoRAManager, lora_request: LoRARequest) -> bool:
     """Load (if not cached) and activate `lora_request`'s adapter; True if it was loaded now. Raises

@@ -183,7 +183,7 @@ def add_request(
     self._send_or_forget(children)
     return request.request_id
 
-
+# %% ../../../nbs/29b_llm_engine.ipynb #fae69e97
 @patch
 def _send_or_forget(self: LLMEngine, requests: list[EngineCoreRequest]) -> None:
     """Send `requests` (registered in the output processor) to the engine core; if one cannot be sent (a

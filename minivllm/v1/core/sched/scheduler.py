@@ -614,19 +614,7 @@ def _schedule_waiting(
     holders_only = False  # the head waits for blocks that only requests in the queue hold
     while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
         request = self.waiting.peek_request()
-        if not self._is_ready(request):
-            self.waiting.pop_request()
-            if not request.is_finished():
-                skipped.add_request(request)  # its KV is still arriving, or its grammar compiling
-            continue
-        if (message := self._lora_changed(request)) is not None:  # its adapter's folder was rewritten
-            self.waiting.pop_request()
-            self._finish_with_error(request, message)
-            continue
-        if (holders_only and request.num_computed_tokens == 0) or self._exceeds_max_loras(
-            request, scheduled_loras
-        ):  # it holds no block to give back, or its adapter would be one slot too many
-            skipped.add_request(self.waiting.pop_request())
+        if self._set_aside(request, holders_only, scheduled_loras, skipped):
             continue
         resumed = request.status == RequestStatus.PREEMPTED
         hit = self._get_computed_tokens(request)
@@ -676,6 +664,31 @@ def _schedule_waiting(
     if skipped:
         self.waiting.prepend_requests(skipped)
     return scheduled_new, scheduled_resumed
+
+# %% ../../../../nbs/23_scheduler.ipynb #5414762e
+@patch
+def _set_aside(
+    self: Scheduler, request: Request, holders_only: bool, scheduled_loras: set[int], skipped: Any
+) -> bool:
+    """Whether the queue's head `request` was taken out of this step's admission: not ready (its KV still
+    arriving or its grammar compiling: kept in `skipped`), its adapter's folder rewritten (finished with
+    that error), or holding no block while only holders may pass, or its adapter one slot too many (kept
+    in `skipped`). Source: vLLM v0.15 v1/core/sched/scheduler.py `Scheduler.schedule` (the waiting loop)."""
+    if not self._is_ready(request):
+        self.waiting.pop_request()
+        if not request.is_finished():
+            skipped.add_request(request)
+        return True
+    if (message := self._lora_changed(request)) is not None:
+        self.waiting.pop_request()
+        self._finish_with_error(request, message)
+        return True
+    if (holders_only and request.num_computed_tokens == 0) or self._exceeds_max_loras(
+        request, scheduled_loras
+    ):
+        skipped.add_request(self.waiting.pop_request())
+        return True
+    return False
 
 # %% ../../../../nbs/23_scheduler.ipynb #fc1c13a2
 @patch
