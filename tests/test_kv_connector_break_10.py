@@ -91,15 +91,12 @@ def test_a_consumer_shut_down_mid_pull_to_a_dead_producer_stops_at_once(ckpt):
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
-    from test_lora import _make_adapter  # tests/ is on sys.path
+    from test_lora import _two_adapters  # tests/ is on sys.path
 
     from minivllm.lora.request import LoRARequest
 
     root = tmp_path_factory.mktemp("lora")
-    path = make_tiny_checkpoint("llama", root / "base")
-    mods = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    _make_adapter(path, root / "a1", 8, 16, mods, seed=10)
-    _make_adapter(path, root / "a2", 8, 16, mods, seed=11)
+    path = _two_adapters(root)
     kw = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20,
               enable_lora=True, max_lora_rank=8, max_loras=1)  # fmt: skip
     a1 = LoRARequest("a", 1, str(root / "a1"))

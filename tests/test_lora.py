@@ -71,6 +71,16 @@ def _make_adapter(base_path, out_dir, rank, alpha, targets, seed):
     return peft_model.eval()
 
 
+def _two_adapters(root) -> str:
+    """A tiny llama in `root/base` and two rank-8 adapters of its attention projections, `root/a1` and
+    `root/a2` (seeds 10 and 11: their greedy tokens differ); returns the base's path."""
+    path = make_tiny_checkpoint("llama", root / "base")
+    mods = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    _make_adapter(path, root / "a1", 8, 16, mods, seed=10)
+    _make_adapter(path, root / "a2", 8, 16, mods, seed=11)
+    return path
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def case(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)

@@ -19,14 +19,12 @@ import shutil
 
 import blake3
 import pytest
-from test_lora import _make_adapter  # tests/ is on sys.path
+from test_lora import _two_adapters  # tests/ is on sys.path
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, OpenAIServingModels
 from minivllm.lora.request import LoRARequest
-from minivllm.testing import make_tiny_checkpoint
 
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 KW = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20, enable_lora=True,
           max_lora_rank=8)  # fmt: skip
 
@@ -34,10 +32,7 @@ KW = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_byt
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_checkpoint("llama", root / "base")
-    for seed, name in ((10, "a1"), (11, "a2")):
-        _make_adapter(base, str(root / name), 8, 16, MODULES, seed=seed)
-    return base, root
+    return _two_adapters(root), root
 
 
 def _run(llm: LLM, lora: LoRARequest) -> list[int]:

@@ -20,7 +20,6 @@ import msgspec
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import make_tiny_checkpoint
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -33,15 +32,12 @@ def in_process_engine(monkeypatch):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from test_lora import _make_adapter  # tests/ is on sys.path
+    from test_lora import _two_adapters  # tests/ is on sys.path
 
     from minivllm.lora.request import LoRARequest
 
     root = tmp_path_factory.mktemp("lora_in_place")
-    path = make_tiny_checkpoint("llama", root / "base")
-    mods = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    _make_adapter(path, root / "a1", 8, 16, mods, seed=10)
-    _make_adapter(path, root / "a2", 8, 16, mods, seed=11)
+    path = _two_adapters(root)
     kw = dict(dtype="float32", max_model_len=128, block_size=16, kv_cache_memory_bytes=1 << 20,
               enable_lora=True, max_lora_rank=8, max_loras=1, enable_prefix_caching=False)  # fmt: skip
     ref = LLM(path, **kw)
