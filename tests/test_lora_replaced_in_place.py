@@ -18,6 +18,7 @@ import shutil
 
 import msgspec
 import pytest
+from test_kv_connector_break_10 import _store  # tests/ is on sys.path
 
 from minivllm import LLM, SamplingParams
 
@@ -82,14 +83,6 @@ def _assert_refused(out, live) -> None:
     assert out.finish_reason == "error" and list(out.token_ids) == []
     message = str(out.stop_reason)
     assert "'a'" in message and str(live) in message and "new lora_name" in message, message
-
-
-def _store(kind: str, folder) -> dict:
-    if kind == "ExampleConnector":
-        extra = {"shared_storage_path": str(folder)}
-    else:
-        extra = {"chunk_size": 16, "local_cpu": False, "local_disk": str(folder), "max_local_disk_size": 0.05}
-    return {"kv_connector": kind, "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 @pytest.mark.parametrize("kind", ["ExampleConnector", "LMCacheConnectorV1"])

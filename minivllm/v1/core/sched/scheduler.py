@@ -128,6 +128,8 @@ class Scheduler:
         self.connector_prefix_cache_stats = self.kv_connector_stats = None  # for SchedulerStats
         self.failed_recving_kv_req_ids: set[str] = set()  # async loads that reported invalid blocks
         self.delayed_free_req_ids: set[str] = set()  # finished, blocks kept until finished_sending
+        self._lora_pins: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> content pinned (`_pin_lora`)
+        self._lora_verdicts: dict[int, str | None] = {}  # this step's adapter-folder checks
         self.kv_load_failed_req_ids: set[str] = set()  # never asked the connector again
         self._outputs_to_drop: dict[str, int] = {}  # async: steps in flight on a context that failed to load
         self._init_encoder_side(vllm_config)
@@ -190,7 +192,7 @@ def _pin_lora(self: Scheduler, request: Request) -> None:
         return
     from minivllm.lora.models import adapter_fingerprint
 
-    pins = self.__dict__.setdefault("_lora_pins", OrderedDict())  # lora_int_id -> hex BLAKE3 of its folder
+    pins = self._lora_pins
     if lora.lora_int_id not in pins:
         try:
             pins[lora.lora_int_id] = adapter_fingerprint(lora.lora_path)
@@ -214,7 +216,7 @@ def _lora_changed(self: Scheduler, request: Request) -> str | None:
 
     self._pin_lora(request)  # a folder unreadable at arrival is pinned once it can be read
     lora = request.lora_request
-    verdicts = self.__dict__.setdefault("_lora_verdicts", {})
+    verdicts = self._lora_verdicts
     if lora.lora_int_id not in verdicts:
         try:
             check_pinned_adapter(lora)
@@ -365,7 +367,7 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     self._encoder_budget = self.max_num_encoder_input_tokens  # this step's encoder work, in embeddings
     self._scheduled_encoder_inputs: dict[str, list[int]] = {}
     self._external_load_encoder_inputs: dict[str, list[int]] = {}
-    self._lora_verdicts: dict[int, str | None] = {}  # this step's adapter-folder checks (`_lora_changed`)
+    self._lora_verdicts = {}  # this step's adapter-folder checks (`_lora_changed`)
     scheduled_running, preempted, token_budget = self._schedule_running(
         self.max_num_scheduled_tokens, now, num_scheduled_tokens, new_block_ids
     )
