@@ -442,3 +442,26 @@ def test_serve_keep_alive_on_engine_death(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_on_a_taken_port_fails_before_the_model_loads(tmp_path):
+    """`minivllm serve` binds its socket before it builds the engine (vLLM's `setup_server`): a taken port
+    exits with 2 and an error naming `--host`/`--port` at once. The model folder does not even exist, so an
+    engine built first would fail on the model instead."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        done = subprocess.run([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
+                               "serve", str(tmp_path / "no-such-model"), "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"error: --host 127.0.0.1 --port {port}: cannot listen there" in done.stderr, done.stderr[-2000:]
+    assert "no-such-model" not in done.stderr

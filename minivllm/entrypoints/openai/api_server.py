@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,7 @@ __all__ = ['logger', 'DEFAULT_MAX_REQUEST_BODY_BYTES', 'AuthenticationMiddleware
            'internal_error_response', 'to_response', 'build_app', 'health', 'metrics', 'show_version',
            'show_available_models', 'create_completion', 'create_chat_completion', 'tokenize', 'detokenize',
            'runtime_lora_updating_allowed', 'load_lora_adapter', 'unload_lora_adapter', 'ServerThread',
-           'build_app_for_engine', 'watch_engine', 'DrainingServer', 'run_server']
+           'build_app_for_engine', 'watch_engine', 'DrainingServer', 'create_server_socket', 'run_server']
 
 # %% ../../../nbs/58_api_server.ipynb #5e67146b
 class AuthenticationMiddleware:
@@ -476,6 +477,29 @@ class DrainingServer(uvicorn.Server):
                 task.cancel()
         super().handle_exit(sig, frame)
 
+# %% ../../../nbs/58_api_server.ipynb #02176df5
+def create_server_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`), for uvicorn to serve on (`port=0`: a free port, read back
+    with `getsockname()`). IPv6 when `host` holds a colon. `SO_REUSEADDR` is set, so a server restarted at
+    once may bind over its predecessor's TIME_WAIT connections. It is not listening yet: uvicorn's
+    `serve(sockets=...)` listens once the app is ready, so until then a client is refused at once (as before
+    the engine was built) rather than left waiting in the backlog.
+    Raises ValueError naming `--host`/`--port` when the address is taken or cannot be bound (so the CLI
+    prints `error: ...` and exits with 2 before any model is loaded).
+    Source: vLLM v0.15 entrypoints/openai/api_server.py `create_server_socket` / `setup_server`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port "
+            "(0 picks a free one) or stop what holds it"
+        ) from None
+    return sock
+
 # %% ../../../nbs/58_api_server.ipynb #2a7e489c
 def run_server(args: Any) -> None:
     """Serve until interrupted (SIGINT or SIGTERM: both shut the engine down in order, removing its IPC
@@ -492,7 +516,13 @@ def run_server(args: Any) -> None:
     # Ctrl-C.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    engine_client = AsyncLLM.from_engine_args(engine_args_from(args))
+    # bound before the engine is built: a taken port fails before the model loads
+    sock = create_server_socket(args.host, args.port)
+    try:
+        engine_client = AsyncLLM.from_engine_args(engine_args_from(args))
+    except BaseException:
+        sock.close()
+        raise
     state = {"engine_dead": False}
     try:
         app = build_app_for_engine(
@@ -505,7 +535,7 @@ def run_server(args: Any) -> None:
             lora_modules=getattr(args, "lora_modules", None),
         )
         names = app.state.openai_serving_models.served_model_names
-        logger.info("serving %s on http://%s:%d", names, args.host, args.port)
+        logger.info("serving %s on http://%s:%d", names, args.host, sock.getsockname()[1])
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -518,7 +548,7 @@ def run_server(args: Any) -> None:
         async def serve() -> None:
             watcher = asyncio.create_task(watch_engine(server, engine_client, state))
             try:
-                await server.serve()
+                await server.serve(sockets=[sock])
             finally:
                 watcher.cancel()
 
@@ -526,6 +556,7 @@ def run_server(args: Any) -> None:
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")
     finally:
+        sock.close()
         engine_client.shutdown()
     if state["engine_dead"]:
         raise SystemExit(1)
