@@ -175,6 +175,34 @@ def test_process_split_lru_cache_sends_tensors_once(ckpt, hf, monkeypatch):
         llm.llm_engine.engine_core.shutdown()
 
 
+def _transparent(mode: str) -> Image.Image:
+    "Image 14's left half opaque, its right half fully transparent (hidden colour: the noise), in `mode`."
+    rgb = np.asarray(image(14))
+    alpha = np.zeros(rgb.shape[:2], np.uint8)
+    alpha[:, :16] = 255
+    if mode == "LA":
+        return Image.fromarray(np.dstack([rgb[..., 0], alpha]), "LA")
+    return Image.fromarray(np.dstack([rgb, alpha]), "RGBA")
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA"])
+def test_transparent_images_match_transformers(llm, hf, mode):
+    """Transparency is composited onto white, as transformers' processor does (vLLM's `convert_image_mode`):
+    a plain `convert("RGB")` fed the transparent pixels' hidden colour instead, and the tokens differed."""
+    img = _transparent(mode)
+    for sent in (img, _png_bytes_image(img)):  # in memory, and decoded from a file's bytes (the server's path)
+        out = generate(llm, prompt_for(1), [sent])
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt_for(1), [img])
+
+
+def _png_bytes_image(img: Image.Image):
+    from minivllm.multimodal.utils import load_image_bytes
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return load_image_bytes(buf.getvalue())
+
+
 def test_chat_with_data_url_image(llm, hf):
     img = image(12)
     buf = io.BytesIO()

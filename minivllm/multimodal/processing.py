@@ -17,6 +17,7 @@ import torch
 from .cache import BaseMultiModalProcessorCache
 from .hasher import MultiModalHasher
 from .inputs import MediaWithBytes, PlaceholderRange
+from .utils import convert_image_mode
 
 # %% auto #0
 __all__ = ['MULTIMODAL_PROCESSORS', 'get_max_tokens_per_mm_item', 'get_allowed_mm_limits', 'get_num_tokens_per_image',
@@ -238,7 +239,7 @@ def _process_item(
     if self.cache is not None and self.cache.is_cached_item(mm_hash):
         tensors, meta = self.cache.peek_item(mm_hash)
         return tensors, meta, True
-    tensors = self._call_hf_processor(_as_image(item, field).convert("RGB"))
+    tensors = self._call_hf_processor(convert_image_mode(_as_image(item, field), "RGB"))
     return tensors, {"num_patches": int(tensors["num_patches"])}, False
 
 # %% ../../nbs/25e_mm_processing.ipynb #8053c858

@@ -17,7 +17,8 @@ from ..envs import env_value
 from .inputs import MediaWithBytes
 
 # %% auto #0
-__all__ = ['IMAGE_FORMATS', 'load_image_bytes', 'fetch_image', 'extract_chat_images']
+__all__ = ['IMAGE_FORMATS', 'WHITE_RGBA', 'load_image_bytes', 'fetch_image', 'rgba_to_rgb', 'convert_image_mode',
+           'extract_chat_images']
 
 # %% ../../nbs/25f_mm_utils.ipynb #49e2de37
 def _max_image_bytes() -> int:
@@ -118,6 +119,33 @@ def fetch_image(
         f"{field}: unsupported URL scheme {scheme!r} "
         "(use a data: URL, or file:// with --allowed-local-media-path)"
     )
+
+# %% ../../nbs/25f_mm_utils.ipynb #ec8e0de4
+WHITE_RGBA = (255, 255, 255, 255)
+
+
+def rgba_to_rgb(image: Any, background_color: tuple[int, int, int, int] = WHITE_RGBA) -> Any:
+    """`image` (any Pillow mode) composited onto an opaque `background_color` (RGBA, 0-255 each), as an RGB
+    image of the same size. Source: vLLM v0.15 multimodal/image.py `rgba_to_rgb`; transformers
+    image_transforms.py `convert_to_rgb` (white background)."""
+    from PIL import Image
+
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, background_color)
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def convert_image_mode(image: Any, to_mode: str) -> Any:
+    """`image` in Pillow mode `to_mode`. To RGB, an image with transparency (an alpha band, or a transparent
+    palette/grey colour in `info["transparency"]`) is composited onto white first, as transformers'
+    reference processors do; any other conversion is Pillow's `convert`. Returns `image` itself when it is
+    already in `to_mode`. Source: vLLM v0.15 multimodal/image.py `convert_image_mode`."""
+    if image.mode == to_mode:
+        return image
+    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    if to_mode == "RGB" and has_alpha:
+        return rgba_to_rgb(image)
+    return image.convert(to_mode)
 
 # %% ../../nbs/25f_mm_utils.ipynb #78b58af4
 def _check_pil(value, field: str):
