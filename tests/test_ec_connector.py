@@ -294,3 +294,17 @@ def test_another_checkpoints_encoder_outputs_are_encoded_again(ckpt, plain, tmp_
         assert runner(llm).num_encoder_runs == 1  # encoded again, not loaded
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_an_encoder_only_instance_of_a_text_model_is_refused(tmp_path):
+    """`ec_producer` on a model without a vision encoder has nothing to run: it started and answered every
+    request with token 0. It is refused when the engine's config is built, naming `ec_transfer_config`."""
+    text = make_tiny_checkpoint("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="ec_transfer_config: ec_role ec_producer .* LlamaForCausalLM has none"):
+        LLM(text, dtype="float32", ec_transfer_config=ec_config(tmp_path / "ec", "ec_producer"))
+    consumer = LLM(text, dtype="float32", ec_transfer_config=ec_config(tmp_path / "ec", "ec_consumer"))
+    try:  # a consumer only decodes: harmless, still served
+        out = consumer.generate("hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        consumer.llm_engine.shutdown()

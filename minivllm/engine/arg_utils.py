@@ -229,6 +229,17 @@ def _check_transfer_roles(kvt: KVTransferConfig | None, ect: ECTransferConfig | 
             "ec_both for an instance that also runs the language model"
         )
 
+
+def _check_ec_model(ect: ECTransferConfig | None, model_config: ModelConfig) -> None:
+    """An `ec_producer` of a text-only model would have nothing to encode and no decoder to run: it started
+    and answered every request with a made-up token 0. Raises ValueError naming `ec_transfer_config` and the
+    architecture. (`ec_consumer`/`ec_both` on a text model only decode, which is harmless.)"""
+    if ect is not None and ect.is_ec_producer_only and not model_config.is_multimodal_model:
+        raise ValueError(
+            f"ec_transfer_config: ec_role ec_producer runs only a vision encoder, and "
+            f"{model_config.architecture} has none; serve a multimodal model, or drop ec_transfer_config"
+        )
+
 # %% ../../nbs/29a_arg_utils.ipynb #5a23aa5b
 def _check_parallel_sizes(model_config: ModelConfig, tp: int, pp: int, backend: str) -> None:
     """Refuse, before any worker starts, sizes the model cannot be split by: attention heads (and KV heads,
@@ -339,6 +350,7 @@ def create_engine_config(self: EngineArgs, usage_context: Any = None) -> VllmCon
     kv_transfer_config = self.create_kv_transfer_config()
     ec_transfer_config = self.create_ec_transfer_config()
     _check_transfer_roles(kv_transfer_config, ec_transfer_config)
+    _check_ec_model(ec_transfer_config, model_config)
     return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
