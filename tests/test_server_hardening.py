@@ -151,7 +151,8 @@ def test_request_chat_template_with_trust(real):
     ("/v1/completions", {"allowed_token_ids": [7]}, "allowed_token_ids"),
     ("/v1/chat/completions", {"bad_words": ["the"]}, "bad_words"),
     ("/v1/completions", {"truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
-    ("/v1/chat/completions", {"cache_salt": "tenant-a"}, "cache_salt"),
+    ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),  # a salt, when given, is a non-empty string
+    ("/v1/completions", {"cache_salt": 5}, "cache_salt"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search")])
 def test_unsupported_features(real, path, extra, param):
     body = {"model": "tiny", "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), **extra}

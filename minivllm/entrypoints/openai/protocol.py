@@ -106,6 +106,7 @@ class _SamplingFields(OpenAIBaseModel):
     response_format: dict[str, Any] | None = None  # OpenAI: text, json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json / regex / choice / grammar / json_object
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's: for a KV connector (prefill/decode split)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cached KV
 
     def _check_prompt_logprobs(self, prompt_logprobs: int | None, max_logprobs: int) -> None:
         if self.prompt_logprobs is not None and self.prompt_logprobs != 0 and self.stream:

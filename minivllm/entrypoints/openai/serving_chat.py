@@ -226,7 +226,7 @@ async def create_chat_completion(
         return prepared
     text, ids, params, images = prepared
     request_id = f"{self.request_id_prefix}-{random_uuid()}"
-    prompt = {"prompt": text, "prompt_token_ids": ids}
+    prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}
     if images:
         prompt["multi_modal_data"] = {"image": images}
     gen = self.engine_client.generate(

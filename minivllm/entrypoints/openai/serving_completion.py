@@ -120,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return inputs
         gens = [
             self.engine_client.generate(
-                {"prompt": text, "prompt_token_ids": ids},
+                {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt},
                 params,
                 f"{request_id}-{i}",
                 priority=request.priority,

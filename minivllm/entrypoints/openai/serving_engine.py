@@ -65,7 +65,6 @@ UNSUPPORTED_VLLM_FIELDS = {  # vLLM request extensions minivllm lacks -> the val
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
-    "cache_salt": (None,),
     "vllm_xargs": (None, {}),
     "prompt_embeds": (None,),
     "thinking_token_budget": (None,),
@@ -92,8 +91,9 @@ def _bad_value(value: Any) -> str | None:
 # %% ../../../nbs/55_serving_engine.ipynb #70c9f5f8
 def check_request_fields(request: Any) -> ErrorResponse | None:
     """A 400 naming the first field of `request` (a protocol model) that no handler can take: a lone
-    surrogate, an integer of 2**64 or more, `n` outside [1, max_n_sequences()], or a feature not built
-    yet (`tools`, `tool_choice` other than "none", `response_format` other than text, guided decoding)."""
+    surrogate, an integer of 2**64 or more, `n` outside [1, max_n_sequences()], an empty `cache_salt`, or a
+    feature not built yet (`tools`, `tool_choice` other than "none", `response_format` other than text,
+    guided decoding)."""
     for name, value in request:
         problem = _bad_value(value)
         if problem == "surrogate":
@@ -106,6 +106,10 @@ def check_request_fields(request: Any) -> ErrorResponse | None:
     if n is not None and not 1 <= n <= max_n:
         return create_error_response(
             f"n must be in [1, {max_n}], got {n} (MINIVLLM_MAX_N_SEQUENCES sets the upper limit).", param="n"
+        )
+    if getattr(request, "cache_salt", None) == "":
+        return create_error_response(
+            "cache_salt must be a non-empty string (or left out).", param="cache_salt"
         )
     return _unsupported_feature(request)
 
