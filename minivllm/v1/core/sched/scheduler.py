@@ -128,6 +128,7 @@ class Scheduler:
         self.connector_prefix_cache_stats = self.kv_connector_stats = None  # for SchedulerStats
         self.failed_recving_kv_req_ids: set[str] = set()  # async loads that reported invalid blocks
         self.delayed_free_req_ids: set[str] = set()  # finished, blocks kept until finished_sending
+        self._reclaiming: set[str] = set()  # of those, asked back early from the connector (own queue)
         self._lora_pins: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> content pinned (`_pin_lora`)
         self._lora_verdicts: dict[int, str | None] = {}  # this step's adapter-folder checks
         self.kv_load_failed_req_ids: set[str] = set()  # never asked the connector again
@@ -292,6 +293,7 @@ def _free_request(self: Scheduler, request: Request) -> dict | None:
 def _free_blocks(self: Scheduler, request: Request) -> None:
     "Give the request's blocks back to the pool and forget it."
     self.delayed_free_req_ids.discard(request.request_id)
+    self._reclaiming.discard(request.request_id)
     self.kv_load_failed_req_ids.discard(request.request_id)
     self.kv_cache_manager.free(request)
     del self.requests[request.request_id]
@@ -855,8 +857,31 @@ def _stop_at_unfit(self: Scheduler, request: Request) -> bool:
     if request.num_computed_tokens == 0 and self._pool_is_empty():
         self._ignore_request(self.waiting.pop_request())
         return True
+    if self._reclaim_held_blocks():  # finished requests' blocks held for a pull come back first
+        return False
     if request.num_computed_tokens > 0:  # a holder that cannot grow while nothing runs
         self._release_waiting_blocks(request)
+    return False
+
+# %% ../../../../nbs/23_scheduler.ipynb #c628b7a9
+@patch
+def _reclaim_held_blocks(self: Scheduler) -> bool:
+    """With nothing running and the queue's head unable to get blocks: ask the KV connector to free early
+    the oldest finished request whose blocks it holds for a transfer (`delay_free`). True while such a
+    release is pending (its blocks come back with `finished_sending`); False with no connector, no held
+    request, or a pull of this engine's in flight. Source: minivllm's own (vLLM v0.15 waits for the
+    transfer or its timeout)."""
+    if self.connector is None or not self.delayed_free_req_ids:
+        return False
+    if self._reclaiming & self.delayed_free_req_ids:
+        return True  # one is on its way back
+    if any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting):
+        return False  # a pull that lands lets its request run
+    for rid in sorted(self.delayed_free_req_ids, key=lambda r: self.requests[r].arrival_time):
+        if self.connector.release_held_blocks(rid):
+            logger.info("nothing runs and the waiting requests need blocks: freeing held request %s", rid)
+            self._reclaiming.add(rid)
+            return True
     return False
 
 # %% ../../../../nbs/23_scheduler.ipynb #792b0698

@@ -189,6 +189,17 @@ def request_finished(
 
 
 @patch
+def release_held_blocks(self: KVConnectorBase_V1, request_id: str) -> bool:
+    """Free early the blocks of finished `request_id`, which `request_finished` kept (delay_free) for a
+    transfer not yet done: the scheduler asks when nothing runs and its own waiting requests cannot get
+    blocks (a `kv_both` engine whose held sends fill its cache waited `abort_timeout_s`). True: the id will
+    come back in `finished_sending` (the peer then recomputes); False: not held here, or not possible.
+    Default: False. Source: minivllm's own (vLLM v0.15 holds such blocks until the transfer or its
+    timeout)."""
+    return False
+
+
+@patch
 def take_events(self: KVConnectorBase_V1) -> Iterable[Any]:
     "The connector's KV cache events since the last call."
     return ()

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import queue
+import reprlib
 import socket
 import threading
 import time
@@ -64,7 +65,8 @@ class RecvReqMeta:
 class P2pZmqConnectorMetadata(KVConnectorMetadata):
     """This step's pulls (consumer), servable requests (producer: block ids, deadline, digest) and the pulls
     to drop (consumer: requests aborted while their KV was arriving); the producer's requests that may
-    become servable (`reqs_in_batch`), and those that finished without (`reqs_not_processed`).
+    become servable (`reqs_in_batch`), those that finished without (`reqs_not_processed`), and held ones
+    to free before their pull because this engine's own waiting requests need the blocks (`reqs_to_free`).
     Source: vLLM v0.15 nixl_connector.py `NixlConnectorMetadata` (role; `reqs_to_cancel`: minivllm's own)."""
 
     reqs_to_recv: dict[str, RecvReqMeta] = field(default_factory=dict)
@@ -72,11 +74,18 @@ class P2pZmqConnectorMetadata(KVConnectorMetadata):
     reqs_to_cancel: set[str] = field(default_factory=set)
     reqs_in_batch: set[str] = field(default_factory=set)  # producer: do_remote_decode requests scheduled
     reqs_not_processed: set[str] = field(default_factory=set)  # of those, finished without being held
+    reqs_to_free: set[str] = field(default_factory=set)  # producer: held sends to free now (own queue)
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #2914bad3
 _MAX_REMOTE_TP_SIZE = 64  # producer ranks one consumer rank may tell DONE (3 ZeroMQ sockets each)
 _MAX_REMOTE_BLOCKS = 1 << 16  # block ids one request's parameters may name (a million once took 30 s)
 _MAX_PARAM_CHARS = 512  # a host, request id or engine id longer than that is no producer's
+_BRIEF = reprlib.Repr()  # a client's parameters in a log line: a 4 MiB string once made a 4 MiB line
+_BRIEF.maxstring = 80
+_BRIEF.maxother = 80
+_BRIEF.maxlist = 8
+_BRIEF.maxdict = 12
+_BRIEF.maxlevel = 3
 
 
 def _valid_remote_params(params: dict) -> bool:
@@ -173,6 +182,8 @@ class P2pZmqConnectorScheduler:
         self._reqs_to_cancel: set[str] = set()  # of those, requests aborted since the last step
         self._reqs_in_batch: set[str] = set()  # producer: do_remote_decode requests scheduled since then
         self._reqs_not_processed: set[str] = set()  # producer: such requests finished without being held
+        self._held: set[str] = set()  # producer: finished requests whose blocks are held for a pull
+        self._reqs_to_free: set[str] = set()  # of those, the ones the scheduler needs back now
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -209,15 +220,25 @@ class P2pZmqConnectorScheduler:
             self._reqs_to_cancel,
             self._reqs_in_batch,
             self._reqs_not_processed,
+            self._reqs_to_free,
         )
         self._recving.update(rid for rid, m in self._reqs_to_recv.items() if m.local_block_ids)
         self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel = {}, {}, set()
-        self._reqs_in_batch, self._reqs_not_processed = set(), set()
+        self._reqs_in_batch, self._reqs_not_processed, self._reqs_to_free = set(), set(), set()
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._recving.difference_update(connector_output.finished_recving or ())
         self._reqs_to_cancel.difference_update(connector_output.finished_recving or ())
+        self._held.difference_update(connector_output.finished_sending or ())
+
+    def release_held_blocks(self, request_id: str) -> bool:
+        "Ask the worker to free held `request_id` now (see `KVConnectorBase_V1.release_held_blocks`)."
+        if request_id not in self._held:
+            return False
+        self._held.discard(request_id)
+        self._reqs_to_free.add(request_id)
+        return True
 
 # %% ../../../../../nbs/47e_p2p_zmq_connector.ipynb #285399de
 def _allowed_producers(kvt: Any) -> frozenset[str] | None:
@@ -260,9 +281,9 @@ def get_num_new_matched_tokens(
         return 0, False
     if not _valid_remote_params(params):  # a client's malformed params: compute locally, never crash
         logger.warning(
-            "P2pZmqConnector: request %s has malformed kv_transfer_params %r; computing it locally",
+            "P2pZmqConnector: request %s has malformed kv_transfer_params %s; computing it locally",
             request.request_id,
-            params,
+            _BRIEF.repr(params),
         )
         params["do_remote_prefill"] = False
         return 0, False
@@ -322,6 +343,7 @@ def request_finished(
     deadline = time.time() + self.abort_timeout_s
     digest = prompt_digest(request, self.weights)
     self._reqs_to_send[request.request_id] = (list(block_ids), deadline, digest)
+    self._held.add(request.request_id)
     return True, {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -430,6 +452,14 @@ class P2pZmqConnectorWorker:
                 self._released.pop(rid, None)  # an id its engine registers again is served again
                 if digest in self._early_done.pop(rid, ()):  # its DONE came before this step
                     self._release(rid)
+            for rid in meta.reqs_to_free & self._to_send.keys():  # pulled meanwhile: nothing to free
+                logger.warning(
+                    "P2pZmqConnector: freeing request %s's blocks before their pull: this engine's own "
+                    "waiting requests need them and nothing runs (its consumer recomputes the prompt)",
+                    rid,
+                )
+                self._release(rid)
+                self._stats["p2p_reclaimed_reqs"] = self._stats.get("p2p_reclaimed_reqs", 0) + 1
         if not meta.reqs_to_recv and not meta.reqs_to_cancel:
             return
         if self._puller is None or not self._puller.is_alive():  # the last guard: replace a dead thread
@@ -515,7 +545,8 @@ def get_block_ids_with_load_errors(self: P2pZmqConnectorWorker) -> set[int]:
 @patch
 def get_kv_connector_stats(self: P2pZmqConnectorWorker) -> dict[str, int] | None:
     """Counts since the last call: `p2p_failed_transfers` (pulls that lost blocks), `p2p_bad_answers`
-    (answers refused unread or by the layout checks), `p2p_expired_reqs` (sends never pulled); or None."""
+    (answers refused unread or by the layout checks), `p2p_expired_reqs` (sends never pulled),
+    `p2p_reclaimed_reqs` (sends freed before their pull for the engine's own queue); or None."""
     with self._lock:
         out, self._stats = self._stats, {}
     return out or None
@@ -1070,6 +1101,9 @@ class P2pZmqConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def release_held_blocks(self, request_id: str) -> bool:
+        return self.connector_scheduler.release_held_blocks(request_id)
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
