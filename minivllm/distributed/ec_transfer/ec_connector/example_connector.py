@@ -27,6 +27,7 @@ from minivllm.distributed.ec_transfer.ec_connector.base import (
 from ...kv_transfer.kv_connector.v1.base import update_connector_abstractmethods
 from minivllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     safetensors_digest,
+    shared_storage_folder,
     stale_tmp_seconds,
     sweep_stale_tmp,
 )
@@ -60,8 +61,9 @@ class ECExampleConnector(ECConnectorBase):
     """Encoder outputs stored as `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` (tensor
     `ec_cache`, (num_embeds, hidden), saved on CPU in the model dtype); loaded synchronously onto the
     runner's device, only if stored in this engine's dtype. Config:
-    `ec_connector_extra_config["shared_storage_path"]` (default "local_storage"), `stale_tmp_s` (60, at least
-    10: older temporary files, a killed writer's, are removed when the scheduler side starts).
+    `ec_connector_extra_config["shared_storage_path"]` (default "local_storage"; a folder, made if missing),
+    `stale_tmp_s` (60, at least 10: older temporary files, a killed writer's, are removed when the scheduler
+    side starts); `ValueError` naming the field for either otherwise.
     An identifier that is not a plain file name (a user's `multi_modal_uuids` may hold anything) is stored
     under the sha256 of it instead.
     Source: vLLM v0.15 distributed/ec_transfer/ec_connector/example_connector.py `ECExampleConnector`."""
@@ -69,8 +71,7 @@ class ECExampleConnector(ECConnectorBase):
     def __init__(self, vllm_config: Any, role: ECConnectorRole):
         super().__init__(vllm_config, role)
         extra = self._ec_transfer_config.ec_connector_extra_config or {}
-        self._storage_path = Path(extra.get("shared_storage_path", "local_storage"))
-        self._storage_path.mkdir(parents=True, exist_ok=True)
+        self._storage_path = shared_storage_folder(extra, "ec_connector_extra_config")
         if role == ECConnectorRole.SCHEDULER:  # once per engine: a killed writer's temporaries
             sweep_stale_tmp(
                 self._storage_path, stale_tmp_seconds(extra, "ec_connector_extra_config"), "*/tmp*.tmp"

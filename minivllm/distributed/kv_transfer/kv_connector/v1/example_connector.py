@@ -23,6 +23,7 @@ from fastcore.basics import patch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .....config import resolve_dtype
 from minivllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'MIN_STALE_TMP_S', 'example_connector_block_keys', 'safetensors_digest', 'stale_tmp_seconds',
-           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'mm_keyed_token_ids', 'connector_salt', 'ExampleConnector']
+           'sweep_stale_tmp', 'ExampleConnectorMetadata', 'mm_keyed_token_ids', 'connector_salt',
+           'shared_storage_folder', 'ExampleConnector']
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #1acc6013
 def example_connector_block_keys(root: bytes, token_ids: list[int], block_size: int) -> list[str]:
@@ -154,6 +156,31 @@ def connector_salt(request: Any) -> str | None:
             adapter = f"unreadable:{uuid.uuid4().hex}"
     return json.dumps([salt, adapter])
 
+# %% ../../../../../nbs/47c_example_connector.ipynb #c07f5cc8
+def shared_storage_folder(extra: dict, config_name: str, default: str = "local_storage") -> Path:
+    """`extra["shared_storage_path"]` (a connector's extra config, `config_name` for the message) as a
+    folder that exists: made, with its parents, if missing; `default` when absent. Raises `ValueError` naming
+    the field unless it is a non-empty string (or `os.PathLike`) naming a folder that exists or can be made: a
+    number, null, "", an existing file, or a folder the engine may not create is refused at start.
+    Source: minivllm's own (vLLM v0.15 example_connector.py reads the field unchecked)."""
+    value = extra.get("shared_storage_path", default)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    field_name = f"{config_name}['shared_storage_path']"
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"{field_name} must be a non-empty string naming a folder (made if missing); got {value!r}"
+        )
+    folder = Path(value)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # FileExistsError for a file there, NotADirectoryError for a file above it, EACCES
+        why = "it is a file, not a folder" if folder.is_file() else (e.strerror or str(e))
+        raise ValueError(
+            f"{field_name} must name a folder that exists or can be made; {value!r} cannot be used ({why})"
+        ) from e
+    return folder
+
 # %% ../../../../../nbs/47c_example_connector.ipynb #6bed6323
 @dataclass
 class _ExampleReqState:
@@ -170,21 +197,26 @@ class ExampleConnector(KVConnectorBase_V1):
     (`ValueError` otherwise). Under tensor parallelism each rank stores its own heads as
     `<key>.tp<rank>of<size>.safetensors`, and a block counts as stored when every rank's file exists.
     `stale_tmp_s` (60, at least 10): the scheduler side removes temporary files older than that (a killed
-    writer's); `ValueError` names the field otherwise.
+    writer's); `ValueError` names the field otherwise, or for a `shared_storage_path` that is not a folder.
+    Keys hash the checkpoint, its dtype, the cache dtype (when another), the block size and the salt.
     Source: vLLM v0.15 distributed/kv_transfer/kv_connector/v1/example_connector.py `ExampleConnector`."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._storage = Path(extra.get("shared_storage_path", "local_storage"))
-        self._storage.mkdir(parents=True, exist_ok=True)
+        self._storage = shared_storage_folder(extra, "kv_connector_extra_config")
+        self._folder_lost = False  # the folder vanished and could not be made again (logged once)
         if role == KVConnectorRole.SCHEDULER:  # once per engine
             sweep_stale_tmp(self._storage, stale_tmp_seconds(extra, "kv_connector_extra_config"))
         self._block_size = vllm_config.cache_config.block_size
         mc = vllm_config.model_config
         from minivllm.model_executor.model_loader import checkpoint_identity  # the weights, not the path
 
-        self._model_tag = f"{checkpoint_identity(mc.model)}|{mc.dtype}|{self._block_size}"
+        tag = f"{checkpoint_identity(mc.model)}|{mc.dtype}|{self._block_size}"
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        kv_dtype = mc.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
+        # a KV cache in another dtype than the model's is another layout: other keys (see `_load_block`)
+        self._model_tag = tag if kv_dtype == mc.dtype else f"{tag}|kv:{kv_dtype}"
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) != 1:
             raise ValueError(f"ExampleConnector supports one KV cache group; this model has {len(groups)}")
@@ -317,7 +349,7 @@ def start_load_kv(self: ExampleConnector, forward_context: Any, **kwargs: Any) -
                 block_id, self._path(key), e, ", deleted" if damaged else "",
             )  # fmt: skip
             self._invalid_block_ids.add(block_id)
-            if damaged:  # it would be matched, and fail, for every later request: remove it
+            if damaged:  # matched, and failed, by every later request: removed (a symlink, never its target)
                 _remove_entry(self._path(key))
     tainted = [set(ids) for ids in meta.req_blocks.values() if failed.intersection(ids)]
     self._unsafe_saves = {key for key, b in meta.saves if any(b in ids for ids in tainted)}
@@ -335,12 +367,16 @@ class _DamagedFile(ValueError):
     "A stored file that no writer of this connector produced as it is (not a regular file, a bad checksum)."
 
 
+class _ForeignLayout(_DamagedFile):
+    "A file at this cache's key whose layers, shapes or dtype are not the cache's (no writer of the key's)."
+
+
 @patch
 def _load_block(self: ExampleConnector, key: str, block_id: int) -> None:
     """Copy `key`'s file into block `block_id` of every layer. `FileNotFoundError` if it is gone;
     `_DamagedFile` (or `SafetensorError`, a header cut short or forged) unless it is a regular file whose
-    checksum matches; `ValueError` / `KeyError` if its layers, shapes or dtype are not this cache's. The
-    layers and shapes are checked in the header, before a tensor is read (one block's bytes at most)."""
+    checksum matches; `_ForeignLayout` (a `_DamagedFile`) if its layers, shapes or dtype are not this cache's.
+    The layers and shapes are checked in the header, before a tensor is read (one block's bytes at most)."""
     path = self._path(key)
     if not path.exists():
         raise FileNotFoundError(f"no file {path.name}")
@@ -348,11 +384,11 @@ def _load_block(self: ExampleConnector, key: str, block_id: int) -> None:
         raise _DamagedFile("not a regular file")
     with safe_open(path, "pt") as f:
         if set(f.keys()) != set(self._kv_caches):
-            raise KeyError(f"its tensors are not the {len(self._kv_caches)} layers of this cache")
+            raise _ForeignLayout(f"its tensors are not the {len(self._kv_caches)} layers of this cache")
         for name, cache in self._kv_caches.items():
             shape = f.get_slice(name).get_shape()
             if shape != [cache.shape[0], *cache.shape[2:]]:  # a planted header may claim gigabytes
-                raise ValueError(f"{name} is {tuple(shape)} in its header, not one block")
+                raise _ForeignLayout(f"{name} is {tuple(shape)} in its header, not one block")
         metadata = f.metadata() or {}
         if metadata.get("file") != path.name:  # a valid file copied over another key's (or rank's) file
             raise _DamagedFile("it was stored under another key (its metadata names another file)")
@@ -363,7 +399,7 @@ def _load_block(self: ExampleConnector, key: str, block_id: int) -> None:
         block = cache[:, block_id]
         if tensors[name].shape != block.shape or tensors[name].dtype != block.dtype:
             # copy_ would broadcast a (1, 1, 1, 1) tensor into the block: refuse, never serve it
-            raise ValueError(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}")
+            raise _ForeignLayout(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}")
         block.copy_(tensors[name])
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #0639acef
@@ -386,20 +422,18 @@ def wait_for_save(self: ExampleConnector) -> None:
     for key, tensors in self._pending.items():
         if set(tensors) != set(self._kv_caches):
             continue  # a partial forward (some layers did not run): nothing trustworthy to write
-        tmp = None
         tensors = {name: t.to("cpu") for name, t in tensors.items()}  # one device-to-host copy
         try:
-            fd, tmp = tempfile.mkstemp(dir=self._storage, suffix=".tmp")
-            os.close(fd)
-            path = self._path(key)
-            save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors), "file": path.name})
-            os.replace(tmp, path)
-        except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a folder removed: not stored, not fatal
+            try:
+                self._write_block(key, tensors)
+            except (FileNotFoundError, NotADirectoryError):  # the folder was removed under us
+                if not self._recreate_folder():
+                    continue  # logged once, not once per block and step
+                self._write_block(key, tensors)
+        except (OSError, SafetensorError) as e:  # ENOSPC, EIO: not stored, not fatal
             logger.warning(
                 "ExampleConnector: cannot save %s (%s); the block is not stored", self._path(key), e
             )
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
     self._pending.clear()
 
 
@@ -411,3 +445,43 @@ def get_block_ids_with_load_errors(self: ExampleConnector) -> set[int]:
 
 
 update_connector_abstractmethods(ExampleConnector)  # the worker methods above complete the class
+
+# %% ../../../../../nbs/47c_example_connector.ipynb #54cdcf61
+@patch
+def _write_block(self: ExampleConnector, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    "Write `key`'s file: a temporary in the folder, renamed over it (removed on a failure); raises `OSError`."
+    fd, tmp = tempfile.mkstemp(dir=self._storage, suffix=".tmp")
+    os.close(fd)
+    path = self._path(key)
+    try:
+        save_file(tensors, tmp, metadata={"sha256": safetensors_digest(tensors), "file": path.name})
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            Path(tmp).unlink(missing_ok=True)
+        except OSError:  # the folder went too, or lost its write bit: nothing left to clean
+            pass
+        raise
+
+
+@patch
+def _recreate_folder(self: ExampleConnector) -> bool:
+    """Make `shared_storage_path` again after it vanished under the engine; True if it is a folder now.
+    Logged each time it is made again; if it cannot be (a file in its place, no permission), False, logged
+    once until it can be. Source: LMCache's `LocalDiskBackend._recreate_folder` (chapter 48a), its role."""
+    try:
+        if self._storage.is_dir():  # another rank, or another engine on the folder, made it meanwhile
+            self._folder_lost = False
+            return True
+        self._storage.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if not self._folder_lost:
+            self._folder_lost = True
+            logger.warning(
+                "ExampleConnector: %s was removed and cannot be made again (%s); no block is stored until "
+                "it can", self._storage, e,
+            )  # fmt: skip
+        return False
+    self._folder_lost = False
+    logger.warning("ExampleConnector: %s was removed while in use; made it again", self._storage)
+    return True

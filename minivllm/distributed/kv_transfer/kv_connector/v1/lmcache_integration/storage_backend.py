@@ -180,8 +180,11 @@ class LocalCPUBackend:
         return len(self._data)
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #acae54e37e7d407bbb7b55eff062a284
-def _scan_chunks(path: Path) -> OrderedDict[str, int]:
-    "`*.kvchunk` regular files in `path`, oldest mtime first, name -> bytes (anything else is skipped)."
+def _scan_chunks(path: Path, rank: dict[str, int] | None = None) -> OrderedDict[str, int]:
+    """`*.kvchunk` regular files in `path`, oldest mtime first, name -> bytes (anything else is skipped).
+    Equal mtimes (the kernel's clock is coarse: files written in one tick share one) go in `rank`'s order,
+    names it lacks first."""
+    rank = rank or {}
     found = []
     for p in path.glob("*.kvchunk"):
         try:
@@ -189,8 +192,8 @@ def _scan_chunks(path: Path) -> OrderedDict[str, int]:
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
-            found.append((st.st_mtime, p.name, st.st_size))
-    return OrderedDict((name, size) for _, name, size in sorted(found))
+            found.append((st.st_mtime, rank.get(p.name, -1), p.name, st.st_size))
+    return OrderedDict((name, size) for _, _, name, size in sorted(found))
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #1201947d
 class LocalDiskBackend:
@@ -201,16 +204,22 @@ class LocalDiskBackend:
     start and after a failed write. A folder that cannot be searched is a miss (see `contains`); one removed
     under a running tier is made again by the next write (see `_recreate_folder`). No file larger than
     `max_chunk_bytes` (the tier's size until `StorageManager.set_chunk_layout` sets one chunk's) is read.
+    `max_bytes` bounds the folder, not only this object's writes: a `put` at most every `rescan_s` seconds
+    accounts the files other writers (another engine on the folder) left there, and evicts the folder's least
+    recently used by mtime (see `_rescan`); a file found gone is dropped from the index (see `get`).
     Source: LMCache lmcache/v1/storage_backend/local_disk_backend.py `LocalDiskBackend`."""
 
     name = "LocalDiskBackend"
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int, stale_tmp_s: float = 60.0):
+    def __init__(
+        self, path: str | os.PathLike, max_bytes: int, stale_tmp_s: float = 60.0, rescan_s: float = 1.0
+    ):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
         self.max_chunk_bytes = self.max_bytes  # the most one file may hold; set_chunk_layout lowers it
         self.stale_tmp_s = float(stale_tmp_s)
+        self.rescan_s = float(rescan_s)  # how often a put looks for other writers' files (seconds)
         self.num_evictions = 0
         self.num_errors = 0
         self.num_stale_tmp_removed = 0
@@ -220,27 +229,12 @@ class LocalDiskBackend:
         self._sweep_stale_tmp()
         self._index: OrderedDict[str, int] = _scan_chunks(self.path)
         self.used_bytes = sum(self._index.values())
+        self._last_scan = time.monotonic()
         with self._lock:  # a folder over this start's cap (a lower cap, or another writer): oldest first
             self._evict_over_cap()
 
     def _file(self, key: CacheEngineKey) -> Path:
         return self.path / (key_digest(key) + ".kvchunk")
-
-    def get(self, key: CacheEngineKey) -> torch.Tensor | None:
-        f = self._file(key)
-        try:
-            kv = deserialize_kv(self._read(f), key)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
-            logger.warning("LocalDiskBackend: %s is invalid (%s); deleted, treating it as a miss", f.name, e)
-            self.num_errors += 1
-            self._drop(f.name)
-            return None
-        with self._lock:
-            if f.name in self._index:
-                self._index.move_to_end(f.name)
-        return kv
 
     def _read(self, f: Path) -> bytes:
         "`f`'s bytes; `ValueError` unless it is a regular file the tier could have written (never blocks)."
@@ -257,6 +251,44 @@ class LocalDiskBackend:
                 raise ValueError(f"it grew past one chunk's {limit} bytes while being read")
             return blob
 
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #38878926
+@patch
+def get(self: LocalDiskBackend, key: CacheEngineKey) -> torch.Tensor | None:
+    """The chunk at `key`, or None. A file that is gone (evicted by another engine on the folder, removed by
+    hand) is a plain miss and leaves the index; an invalid one is a counted miss and is deleted; another
+    writer's valid file is a hit and joins the index. A hit touches the file's mtime. Source: LMCache
+    lmcache/v1/storage_backend/local_disk_backend.py `LocalDiskBackend.get_blocking`."""
+    f = self._file(key)
+    try:
+        blob = self._read(f)
+        kv = deserialize_kv(blob, key)
+    except FileNotFoundError:
+        self._forget(f.name)
+        return None
+    except Exception as e:  # untrusted bytes: whatever they do, a miss (deserialize_kv raises ValueError)
+        logger.warning("LocalDiskBackend: %s is invalid (%s); deleted, treating it as a miss", f.name, e)
+        self.num_errors += 1
+        self._drop(f.name)
+        return None
+    try:
+        os.utime(f)  # the mtime is the recency other engines on the folder see (and a restart's order)
+    except OSError:  # another user's file, a read-only mount: the order is only this engine's then
+        pass
+    with self._lock:
+        if f.name in self._index:
+            self._index.move_to_end(f.name)
+        else:  # another writer's file: its bytes count against this tier's cap from now on
+            self._index[f.name] = len(blob)
+            self.used_bytes += len(blob)
+    return kv
+
+
+@patch
+def _forget(self: LocalDiskBackend, name: str) -> None:
+    "Drop `name` from the index and its bytes from `used_bytes` (its file is gone already)."
+    with self._lock:
+        self.used_bytes -= self._index.pop(name, 0)
+
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #828b2b2f
 @patch
 def contains(self: LocalDiskBackend, key: CacheEngineKey) -> bool:
@@ -264,8 +296,9 @@ def contains(self: LocalDiskBackend, key: CacheEngineKey) -> bool:
     chunk). An error asking (the folder not searchable, EIO, ESTALE) is a miss: counted in `num_errors`,
     logged once until the folder answers again; never raised. Source: LMCache
     lmcache/v1/storage_backend/local_disk_backend.py `LocalDiskBackend.contains`."""
+    f = self._file(key)
     try:
-        found = self._file(key).is_file()  # False for ENOENT / ENOTDIR / ELOOP; EACCES, EIO... raise
+        found = f.is_file()  # False for ENOENT / ENOTDIR / ELOOP; EACCES, EIO... raise
     except OSError as e:
         self.num_errors += 1
         if not self._unsearchable:
@@ -277,6 +310,8 @@ def contains(self: LocalDiskBackend, key: CacheEngineKey) -> bool:
     if self._unsearchable:
         self._unsearchable = False
         logger.warning("LocalDiskBackend: %s answers again; the disk tier is back", self.path)
+    if not found and f.name in self._index:  # another engine evicted it: its bytes are not ours to count
+        self._forget(f.name)
     return found
 
 
@@ -307,6 +342,8 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
         logger.warning("LocalDiskBackend: writing %s failed (%s); the chunk is not on disk", f.name, e)
         self._sweep_stale_tmp()
         return False
+    if time.monotonic() - self._last_scan >= self.rescan_s:
+        self._rescan()  # count what other writers put in the folder, so the cap bounds the folder
     with self._lock:
         self.used_bytes += len(blob) - self._index.pop(f.name, 0)
         self._index[f.name] = len(blob)
@@ -330,8 +367,7 @@ def _drop(self: LocalDiskBackend, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
     except OSError as e:  # a directory planted there, a read-only folder: logged, never raised
         logger.warning("LocalDiskBackend: cannot delete %s (%s); it stays, a miss each time", name, e)
-    with self._lock:
-        self.used_bytes -= self._index.pop(name, 0)
+    self._forget(name)
 
 
 @patch
@@ -387,6 +423,24 @@ def _recreate_folder(self: LocalDiskBackend) -> bool:
         self._index, self.used_bytes = index, sum(index.values())
     return True
 
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #2c031e4c
+@patch
+def _rescan(self: LocalDiskBackend) -> None:
+    """Rebuild the index from the folder as it is now, every writer's `*.kvchunk` files in mtime order (a
+    write sets a file's mtime and a hit touches it, so the folder's mtimes are the LRU order all engines on
+    it share); files gone meanwhile leave it, `used_bytes` is the folder's. A folder that cannot be listed
+    (gone, not searchable) leaves the index as it is. The caller evicts. Source: minivllm's own."""
+    self._last_scan = time.monotonic()
+    try:
+        os.scandir(self.path).close()  # _scan_chunks would read an unlistable folder as an empty one
+    except OSError:
+        return
+    with self._lock:
+        rank = {name: i for i, name in enumerate(self._index)}  # this engine's order, for equal mtimes
+    found = _scan_chunks(self.path, rank)  # outside the lock: a lookup does not wait for the listing
+    with self._lock:
+        self._index, self.used_bytes = found, sum(found.values())
+
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b1145b44
 class RemoteBackend:
     """Chunks in Redis at `url` (redis://[[user]:password@]host:port) under "lmcache:<key>". A connection
@@ -395,8 +449,9 @@ class RemoteBackend:
     a background probe (a PING every `backoff_s`) is answered, which is logged once more. An invalid value
     (see `deserialize_kv`), one longer than `max_chunk_bytes` (never read past that bound) or a key of another
     Redis type is a counted miss and is deleted. A server refusing the connection's setup (`SELECT` of a
-    database it lacks) is down like a stopped one. Nothing raises (`put` returns False on failure). Logs show
-    the URL without its password.
+    database it lacks) is down like a stopped one. An error answer (OOM under `maxmemory` with `noeviction`)
+    is counted each time and logged once per command until that command succeeds again. Nothing raises
+    (`put` returns False on failure). Logs show the URL without its password.
     Source: LMCache lmcache/v1/storage_backend/remote_backend.py `RemoteBackend` (Redis connector)."""
 
     name = "RemoteBackend"
@@ -415,6 +470,7 @@ class RemoteBackend:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._probe: threading.Thread | None = None
+        self._failing: set[str] = set()  # commands the server answers with an error (logged once each)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         # the server answered, with an error (WRONGTYPE, ...): it is up
         self._server_errors = redis.exceptions.RedisError
@@ -442,21 +498,34 @@ class RemoteBackend:
 @patch
 def _call(self: RemoteBackend, fn: Any, *args: Any, invalid: str | None = None) -> Any:
     """fn(*args), or None: at once while the server is down, after a failure that marks it down, or when it
-    answers with an error (counted; the key `invalid`, if given, is deleted)."""
+    answers with an error (counted; logged once until `fn`, by name, succeeds again; the key `invalid`, if
+    given, is deleted)."""
     if self._down.is_set():
         return None
+    command = getattr(fn, "__name__", "command")
     try:
-        return fn(*args)
+        out = fn(*args)
     except self._errors as e:
         self.num_errors += 1
         self._mark_down(e)
         return None
     except self._server_errors as e:
         self.num_errors += 1
-        logger.warning("RemoteBackend %s: %s; treating it as a miss", self.url, e)
+        with self._lock:
+            first = command not in self._failing
+            self._failing.add(command)
+        if first:
+            logger.warning(
+                "RemoteBackend %s: %s answered %r; treating it as a miss (logged once until a %s succeeds; "
+                "each one counted in errors)", self.url, command, str(e), command,
+            )  # fmt: skip
         if invalid is not None:
             self._call(self._client.delete, invalid)
         return None
+    if command in self._failing:
+        self._failing.discard(command)
+        logger.info("RemoteBackend %s: %s succeeds again", self.url, command)
+    return out
 
 
 @patch
@@ -565,12 +634,15 @@ class StorageManager:
     `remove(key)` / `discard(key, reason)`: delete from every tier (discard: a chunk its reader found invalid,
     counted in `num_invalid`); `flush()`: wait for queued writes; `stats()`: hits per tier, misses, errors
     (invalid chunks included), evictions; `new_errors()`: errors since its last call; `set_chunk_layout`:
-    bound the slow tiers' reads to one chunk. `ValueError` naming `local_disk` if its folder cannot be made.
+    bound the slow tiers' reads to one chunk, and refuse a CPU or disk tier too small for one.
+    `ValueError` naming `local_disk` if its folder cannot be made.
     Source: LMCache lmcache/v1/storage_backend/storage_manager.py `StorageManager`."""
 
     def __init__(self, config: LMCacheEngineConfig):
         self.tiers: list[Any] = []
         self.chunk_size = config.chunk_size
+        self._sizes_gb = {"max_local_cpu_size": config.max_local_cpu_size}  # as given, for set_chunk_layout
+        self._sizes_gb["max_local_disk_size"] = config.max_local_disk_size
         if config.local_cpu:
             self.tiers.append(LocalCPUBackend(int(config.max_local_cpu_size * _GB)))
         if config.local_disk_path is not None:
@@ -621,11 +693,42 @@ class StorageManager:
             self._queue.put((key, kv, tiers, nbytes))
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b0ae77a2
+def _gb_at_least(n: int) -> float:
+    "The smallest GB figure of three significant digits whose bytes (`int(gb * 2**30)`) are at least `n`."
+    step = 10.0 ** (math.floor(math.log10(n / _GB)) - 2)
+    gb = math.ceil(n / _GB / step) * step
+    return gb if int(gb * _GB) >= n else gb + step
+
+
+@patch
+def _check_tier_sizes(self: StorageManager, payload: int, on_disk: int) -> None:
+    "`ValueError` naming the field of a CPU (`payload` bytes a chunk) or disk (`on_disk`) tier too small."
+    for t in self.tiers:
+        if isinstance(t, LocalCPUBackend):
+            field, need, where = "max_local_cpu_size", payload, "in memory"
+        elif isinstance(t, LocalDiskBackend):
+            field, need, where = "max_local_disk_size", on_disk, "as a file"
+        else:
+            continue
+        if t.max_bytes < need:
+            raise ValueError(
+                f"{field} = {self._sizes_gb[field]:g} GB ({t.max_bytes} bytes) cannot hold one chunk: "
+                f"{self.chunk_size} tokens of this model's KV are {need} bytes {where}, so that tier would "
+                f"store nothing; set {field} to at least {_gb_at_least(need):g} GB (or lower chunk_size)"
+            )
+
+
 @patch
 def set_chunk_layout(self: StorageManager, kv_shape: tuple[int, ...], kv_dtype: str) -> int:
     """Bound the slow tiers' reads to `max_chunk_bytes(chunk_size, kv_shape, kv_dtype)` (`kv_shape` of one
-    token: (num_layers, 2, num_kv_heads, head_size)); returns the bound. Source: minivllm's own."""
+    token: (num_layers, 2, num_kv_heads, head_size)); returns the bound. `ValueError` naming
+    `max_local_cpu_size` / `max_local_disk_size` if the CPU or disk tier cannot hold one full chunk (its
+    bytes and the least size in GB that can are in the message). Source: minivllm's own."""
     known = kv_dtype if kv_dtype in KV_DTYPES else "float32"  # no such chunk is stored: the widest dtype's
+    shape = [kv_shape[0], kv_shape[1], self.chunk_size, *kv_shape[2:]]
+    payload = math.prod(shape) * KV_DTYPES[known].itemsize
+    header = json.dumps({"dtype": known, "shape": shape, "sha256": "0" * 64, "key": "0" * 64})
+    self._check_tier_sizes(payload, len(_MAGIC) + 4 + len(header) + payload)  # serialize_kv's framing
     limit = max_chunk_bytes(self.chunk_size, kv_shape, known)
     for t in self.tiers:
         if hasattr(t, "max_chunk_bytes"):
