@@ -491,3 +491,46 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(server):
                                                  extra_body={"cache_salt": "tenant-a"})
     assert chat.usage.completion_tokens >= 1
     assert text == text_again == text_other
+
+
+def test_serve_on_port_0_logs_the_port_it_serves_on(tmp_path):
+    """`--port 0` binds a free port; the port is logged on uvicorn's logger (shown by --uvicorn-log-level),
+    where a user (or a script) can read it: the minivllm logger's INFO line was never shown by `serve`."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+    from minivllm.testing import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from minivllm.entrypoints.cli.main import main; sys.exit(main())",
+                             "serve", ckpt, "--host", "127.0.0.1", "--port", "0", "--max-model-len", "128"],
+                            cwd=repo, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        reader = threading.Thread(target=lambda: seen.extend(proc.stderr), daemon=True)  # until it closes
+        reader.start()
+        deadline, port = time.monotonic() + 120, None
+        while port is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)[-3000:]
+            found = re.search(r"minivllm serving \['[^']*'\] on http://127\.0\.0\.1:(\d+)", "".join(seen))
+            port = int(found.group(1)) if found else None
+            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "".join(seen)[-3000:]
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

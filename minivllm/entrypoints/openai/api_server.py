@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import secrets
 import socket
@@ -485,7 +486,9 @@ def create_server_socket(host: str, port: int) -> socket.socket:
     `serve(sockets=...)` listens once the app is ready, so until then a client is refused at once (as before
     the engine was built) rather than left waiting in the backlog.
     Raises ValueError naming `--host`/`--port` when the address is taken or cannot be bound (so the CLI
-    prints `error: ...` and exits with 2 before any model is loaded).
+    prints `error: ...` and exits with 2 before any model is loaded). Linux lets several sockets with
+    `SO_REUSEADDR` bind one port while none listens, so of two servers started at the same moment on one
+    port the second finds out only when it listens, after loading (`run_server` gives the same error).
     Source: vLLM v0.15 entrypoints/openai/api_server.py `create_server_socket` / `setup_server`."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -494,11 +497,17 @@ def create_server_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(
-            f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port "
-            "(0 picks a free one) or stop what holds it"
-        ) from None
+        raise _cannot_listen(host, port, e) from None
     return sock
+
+
+def _cannot_listen(host: str, port: int, e: OSError) -> ValueError:
+    "The error for an address `minivllm serve` cannot bind or listen on: the advice fits the cause."
+    if e.errno == errno.EADDRINUSE:
+        advice = "pick another --port (0 picks a free one) or stop what holds it"
+    else:  # a name that does not resolve, an address of another machine, a port below 1024 unprivileged
+        advice = "check --host (an address of this machine, such as 127.0.0.1 or 0.0.0.0) and --port"
+    return ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); {advice}")
 
 # %% ../../../nbs/58_api_server.ipynb #2a7e489c
 def run_server(args: Any) -> None:
@@ -535,7 +544,6 @@ def run_server(args: Any) -> None:
             lora_modules=getattr(args, "lora_modules", None),
         )
         names = app.state.openai_serving_models.served_model_names
-        logger.info("serving %s on http://%s:%d", names, args.host, sock.getsockname()[1])
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -543,6 +551,14 @@ def run_server(args: Any) -> None:
             log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=getattr(args, "shutdown_timeout", 5.0),
         )
+        try:  # uvicorn listens again (harmless); a server that took the port meanwhile makes this fail
+            sock.listen(2048)
+        except OSError as e:
+            raise _cannot_listen(args.host, args.port, e) from None
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        # on uvicorn's logger, which --uvicorn-log-level shows: where a --port 0 server's port appears
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.info("minivllm serving %s on http://%s:%d", names, host, sock.getsockname()[1])
         server = DrainingServer(config)
 
         async def serve() -> None:
