@@ -5,6 +5,7 @@
 # %% ../../../../../nbs/47c_example_connector.ipynb #90e0a15d
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -174,12 +175,28 @@ def shared_storage_folder(extra: dict, config_name: str, default: str = "local_s
     folder = Path(value)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # FileExistsError for a file there, NotADirectoryError for a file above it, EACCES
-        why = "it is a file, not a folder" if folder.is_file() else (e.strerror or str(e))
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte; OSError: a file there or above it, EACCES
         raise ValueError(
-            f"{field_name} must name a folder that exists or can be made; {value!r} cannot be used ({why})"
+            f"{field_name} must name a folder that exists or can be made (no NUL byte, each name at most "
+            f"255 bytes); {value!r} cannot be used ({_folder_refusal(folder, e)})"
         ) from e
     return folder
+
+
+def _folder_refusal(folder: Path, e: Exception) -> str:
+    """Why `folder` could not be made, from `mkdir`'s error `e`, for a message. Asking whether `folder` is a
+    file can raise the same error again (a name too long: ENAMETOOLONG, a NUL byte: ValueError), so those
+    are named from `e` and never re-asked. Source: minivllm's own."""
+    if isinstance(e, ValueError):
+        return "a path cannot hold a NUL byte"
+    if e.errno == errno.ENAMETOOLONG:
+        return "a name in it is longer than the filesystem allows"
+    try:
+        if folder.is_file():
+            return "it is a file, not a folder"
+    except (OSError, ValueError):  # EACCES, EIO asking: the mkdir error says enough
+        pass
+    return e.strerror or str(e)
 
 # %% ../../../../../nbs/47c_example_connector.ipynb #6bed6323
 @dataclass
@@ -206,6 +223,8 @@ class ExampleConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._storage = shared_storage_folder(extra, "kv_connector_extra_config")
         self._folder_lost = False  # the folder vanished and could not be made again (logged once)
+        self.num_save_errors = 0  # blocks whose save failed (ENOSPC, EDQUOT, EIO), over the engine's life
+        self._failed_run = 0  # failed saves since the last one that worked: only the first is logged
         if role == KVConnectorRole.SCHEDULER:  # once per engine
             sweep_stale_tmp(self._storage, stale_tmp_seconds(extra, "kv_connector_extra_config"))
         self._block_size = vllm_config.cache_config.block_size
@@ -428,12 +447,13 @@ def wait_for_save(self: ExampleConnector) -> None:
                 self._write_block(key, tensors)
             except (FileNotFoundError, NotADirectoryError):  # the folder was removed under us
                 if not self._recreate_folder():
+                    self.num_save_errors += 1
                     continue  # logged once, not once per block and step
                 self._write_block(key, tensors)
-        except (OSError, SafetensorError) as e:  # ENOSPC, EIO: not stored, not fatal
-            logger.warning(
-                "ExampleConnector: cannot save %s (%s); the block is not stored", self._path(key), e
-            )
+        except (OSError, SafetensorError) as e:  # ENOSPC, EDQUOT, EIO: not stored, not fatal
+            self._note_save_error(key, e)
+        else:
+            self._note_save_ok()
     self._pending.clear()
 
 
@@ -462,6 +482,31 @@ def _write_block(self: ExampleConnector, key: str, tensors: dict[str, torch.Tens
         except OSError:  # the folder went too, or lost its write bit: nothing left to clean
             pass
         raise
+
+
+@patch
+def _note_save_error(self: ExampleConnector, key: str, e: Exception) -> None:
+    """Count a failed save of `key` in `num_save_errors`; log only the first of a run of failures (a full
+    disk fails every block of every step until space is freed). Source: minivllm's own."""
+    self.num_save_errors += 1
+    self._failed_run += 1
+    if self._failed_run == 1:
+        logger.warning(
+            "ExampleConnector: cannot save %s (%s); blocks are not stored until a save works again (logged "
+            "once, each failure counted in num_save_errors)", self._path(key), e,
+        )  # fmt: skip
+
+
+@patch
+def _note_save_ok(self: ExampleConnector) -> None:
+    "After a run of failed saves, log (INFO) that saving works again and start a new run."
+    if self._failed_run:
+        logger.info(
+            "ExampleConnector: saving to %s works again after %d failed saves",
+            self._storage,
+            self._failed_run,
+        )
+        self._failed_run = 0
 
 
 @patch

@@ -112,13 +112,24 @@ def redact_url(url: str) -> str:
 # %% ../../../../../../nbs/48_lmcache_config_and_keys.ipynb #54754c18
 def _check_local_disk(value: str) -> None:
     """`ValueError` naming `local_disk` unless `value` is a folder path or a file:///absolute/path URL that
-    names a folder or nothing yet (the tier creates it). Source: minivllm's own."""
+    names a folder or nothing yet (the tier creates it); a path the system refuses to look up (a NUL byte, a
+    name longer than the filesystem allows, no permission above it) too. Source: minivllm's own."""
     if (value.startswith("file:") and not value.startswith("file:///")) or (
         "://" in value and not value.startswith("file://")
     ):
         raise ValueError(f"local_disk must be a folder path or a file:///absolute/path URL; got {value!r}")
     path = Path(value.removeprefix("file://"))
-    if path.exists() and not path.is_dir():
+    try:
+        if "\x00" in value:  # exists() says False for it, and the tier's mkdir raises "embedded null byte"
+            raise ValueError("a path cannot hold a NUL byte")
+        not_a_folder = path.exists() and not path.is_dir()
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, EACCES: raised by exists() itself
+        why = str(e) if isinstance(e, ValueError) else (e.strerror or str(e))
+        raise ValueError(
+            f"local_disk {value!r} cannot be used ({why}); name a folder path or a file:///absolute/path URL "
+            "(no NUL byte, each name at most 255 bytes; the folder is created if missing)"
+        ) from e
+    if not_a_folder:
         raise ValueError(f"local_disk {str(path)!r} is not a folder; name a folder (created if missing)")
 
 
