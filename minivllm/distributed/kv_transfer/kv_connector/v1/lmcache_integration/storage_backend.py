@@ -180,19 +180,30 @@ class LocalCPUBackend:
         return len(self._data)
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #acae54e37e7d407bbb7b55eff062a284
-def _scan_chunks(path: Path, rank: dict[str, int] | None = None) -> OrderedDict[str, int]:
+def _scan_chunks(
+    path: Path, rank: dict[str, int] | None = None, future: dict[str, float] | None = None
+) -> OrderedDict[str, int]:
     """`*.kvchunk` regular files in `path`, oldest mtime first, name -> bytes (anything else is skipped).
     Equal mtimes (the kernel's clock is coarse: files written in one tick share one) go in `rank`'s order,
-    names it lacks first."""
+    names it lacks first. An mtime later than now (another host's clock ahead, a restored backup) ranks as
+    the time the file was first seen so: `future` (name -> that time, seconds) is the caller's memory of it
+    across scans, updated here (names no longer in the future leave it)."""
     rank = rank or {}
-    found = []
+    future = {} if future is None else future
+    now, found, ahead = time.time(), [], set()
     for p in path.glob("*.kvchunk"):
         try:
             st = p.stat()  # follows a link: a dangling one raises, one to a device is not regular
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
-            found.append((st.st_mtime, rank.get(p.name, -1), p.name, st.st_size))
+            mtime = st.st_mtime
+            if mtime > now:  # ranked as first seen: never newer than every file written from now on
+                mtime = future.setdefault(p.name, now)
+                ahead.add(p.name)
+            found.append((mtime, rank.get(p.name, -1), p.name, st.st_size))
+    for name in set(future) - ahead:
+        del future[name]
     return OrderedDict((name, size) for _, _, name, size in sorted(found))
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #1201947d
@@ -225,9 +236,12 @@ class LocalDiskBackend:
         self.num_stale_tmp_removed = 0
         self._unsearchable = False  # the folder refused a lookup (logged once)
         self._folder_lost = False  # the folder vanished and could not be made again (logged once)
+        self._write_failing = False  # a write failed (logged once until one succeeds)
+        self._undeletable: set[str] = set()  # files eviction could not delete: skipped, their bytes counted
+        self._future: dict[str, float] = {}  # files with an mtime ahead of the clock -> when first seen
         self._lock = threading.Lock()
         self._sweep_stale_tmp()
-        self._index: OrderedDict[str, int] = _scan_chunks(self.path)
+        self._index: OrderedDict[str, int] = _scan_chunks(self.path, future=self._future)
         self.used_bytes = sum(self._index.values())
         self._last_scan = time.monotonic()
         with self._lock:  # a folder over this start's cap (a lower cap, or another writer): oldest first
@@ -331,17 +345,21 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
         return False
     f = self._file(key)
     try:
-        try:
-            self._write(f, blob)
-        except (FileNotFoundError, NotADirectoryError):  # the folder was removed under us: made again, once
-            if not self._recreate_folder():
-                return False
-            self._write(f, blob)
-    except OSError as e:  # ENOSPC, EDQUOT, EIO, a directory removed under us: a failed write, not a crash
+        if not self._store(f, blob):
+            return False
+    except OSError as e:  # EIO, EROFS, a full disk with nothing to evict: a failed write, not a crash
         self.num_errors += 1
-        logger.warning("LocalDiskBackend: writing %s failed (%s); the chunk is not on disk", f.name, e)
+        if not self._write_failing:
+            self._write_failing = True
+            logger.warning(
+                "LocalDiskBackend: writing %s failed (%s); the chunk is not on disk (logged once until a "
+                "write succeeds; each failure counted in errors)", f.name, e,
+            )  # fmt: skip
         self._sweep_stale_tmp()
         return False
+    if self._write_failing:
+        self._write_failing = False
+        logger.info("LocalDiskBackend: writing to %s succeeds again", self.path)
     if time.monotonic() - self._last_scan >= self.rescan_s:
         self._rescan()  # count what other writers put in the folder, so the cap bounds the folder
     with self._lock:
@@ -352,15 +370,70 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
 
 
 @patch
+def _store(self: LocalDiskBackend, f: Path, blob: bytes) -> bool:
+    """Write `blob` as `f`; False if the folder vanished and cannot be made again. A full filesystem (ENOSPC,
+    EDQUOT: it may be smaller than `max_bytes`, or shared) evicts least recently used files, `len(blob)`
+    bytes' worth, and tries once more. `OSError` otherwise, or if nothing could be evicted."""
+    try:
+        try:
+            self._write(f, blob)
+        except (FileNotFoundError, NotADirectoryError):  # the folder was removed under us: made again, once
+            if not self._recreate_folder():
+                return False
+            self._write(f, blob)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        with self._lock:
+            freed = self._evict(len(blob))
+        if not freed:
+            raise
+        self._write(f, blob)
+    return True
+
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #ea27b2bb
+@patch
 def _evict_over_cap(self: LocalDiskBackend) -> None:
     "Delete least recently used files until `used_bytes` <= `max_bytes` (the caller holds `_lock`)."
-    while self.used_bytes > self.max_bytes and self._index:
-        name, size = self._index.popitem(last=False)
-        self.used_bytes -= size
-        self.num_evictions += 1
-        (self.path / name).unlink(missing_ok=True)
+    self._evict(self.used_bytes - self.max_bytes)
 
 
+@patch
+def _evict(self: LocalDiskBackend, need: int) -> int:
+    """Delete least recently used files until `need` bytes are freed or none is left to try; returns the
+    bytes freed (the caller holds `_lock`). A file whose unlink fails (EPERM: immutable, or another user's
+    in a sticky folder; EACCES; EROFS) stays in the index with its bytes counted, is skipped by every later
+    eviction, and is logged once; eviction goes on with the next file. Never raises."""
+    freed, refused = 0, []
+    while freed < need:
+        victims, want = [], need - freed
+        for name, size in self._index.items():  # oldest first; stops once enough bytes are picked
+            if want <= 0:
+                break
+            if name not in self._undeletable:
+                victims.append(name)
+                want -= size
+        if not victims:
+            break
+        for name in victims:
+            try:
+                (self.path / name).unlink(missing_ok=True)
+            except OSError as e:
+                self._undeletable.add(name)
+                refused.append(f"{name} ({e.strerror})")
+                continue
+            size = self._index.pop(name)
+            self.used_bytes -= size
+            freed += size
+            self.num_evictions += 1
+    if refused:
+        logger.warning(
+            "LocalDiskBackend: cannot evict %s; kept (still counted against the cap), skipped from now on",
+            ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else ""),
+        )
+    return freed
+
+# %% ../../../../../../nbs/48a_lmcache_storage.ipynb #30bca206
 @patch
 def _drop(self: LocalDiskBackend, name: str) -> None:
     try:
@@ -418,9 +491,10 @@ def _recreate_folder(self: LocalDiskBackend) -> bool:
         self.num_errors += 1  # its chunks are lost: a fault /metrics shows, like a failed write
         logger.warning("LocalDiskBackend: %s was removed while in use; made it again", self.path)
     self._folder_lost = False
-    index = _scan_chunks(self.path)
+    index = _scan_chunks(self.path, future=self._future)
     with self._lock:
         self._index, self.used_bytes = index, sum(index.values())
+        self._undeletable &= index.keys()
     return True
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #2c031e4c
@@ -437,9 +511,10 @@ def _rescan(self: LocalDiskBackend) -> None:
         return
     with self._lock:
         rank = {name: i for i, name in enumerate(self._index)}  # this engine's order, for equal mtimes
-    found = _scan_chunks(self.path, rank)  # outside the lock: a lookup does not wait for the listing
+    found = _scan_chunks(self.path, rank, self._future)  # outside the lock: lookups do not wait for it
     with self._lock:
         self._index, self.used_bytes = found, sum(found.values())
+        self._undeletable &= found.keys()  # one deleted by hand meanwhile is no longer remembered
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b1145b44
 class RemoteBackend:
@@ -496,10 +571,10 @@ class RemoteBackend:
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #acae4f83
 @patch
-def _call(self: RemoteBackend, fn: Any, *args: Any, invalid: str | None = None) -> Any:
+def _call(self: RemoteBackend, fn: Any, *args: Any) -> Any:
     """fn(*args), or None: at once while the server is down, after a failure that marks it down, or when it
-    answers with an error (counted; logged once until `fn`, by name, succeeds again; the key `invalid`, if
-    given, is deleted)."""
+    answers with an error (counted; logged once until `fn`, by name, succeeds again; nothing is deleted: an
+    error answer says the server cannot serve now, not that a value is bad)."""
     if self._down.is_set():
         return None
     command = getattr(fn, "__name__", "command")
@@ -519,8 +594,6 @@ def _call(self: RemoteBackend, fn: Any, *args: Any, invalid: str | None = None) 
                 "RemoteBackend %s: %s answered %r; treating it as a miss (logged once until a %s succeeds; "
                 "each one counted in errors)", self.url, command, str(e), command,
             )  # fmt: skip
-        if invalid is not None:
-            self._call(self._client.delete, invalid)
         return None
     if command in self._failing:
         self._failing.discard(command)
@@ -580,16 +653,24 @@ def get(self: RemoteBackend, key: CacheEngineKey) -> torch.Tensor | None:
     "The chunk at `key`, or None; never more than `max_chunk_bytes` + 1 bytes of a value are read."
     name = self._name(key)
 
-    def read() -> list:  # one round trip, atomic: whether it is there, its length, its first bytes
-        pipe = self._client.pipeline(transaction=True)
+    def read() -> list:  # one round trip, no MULTI (a full noeviction server refuses all of a MULTI)
+        pipe = self._client.pipeline(transaction=False)
         pipe.exists(name).strlen(name).getrange(name, 0, self.max_chunk_bytes)
-        return pipe.execute()
+        out = pipe.execute(raise_on_error=False)
+        for x in out:  # OOM, LOADING, BUSY...: the server's state, not the value's; _call counts, keeps it
+            if isinstance(x, Exception) and not str(x).startswith("WRONGTYPE"):
+                raise x
+        return out
 
-    found = self._call(read, invalid=name)
+    found = self._call(read)
     if not found or not found[0]:
         return None
     size, blob = found[1], found[2]
     try:
+        if isinstance(size, Exception):  # WRONGTYPE: a key of another Redis type under our name
+            raise ValueError(str(size))
+        if isinstance(blob, bytes) and len(blob) != min(size, self.max_chunk_bytes + 1):
+            return None  # rewritten or deleted between the reads: a miss, whatever is there now stays
         if size > self.max_chunk_bytes:
             raise ValueError(f"{size} bytes is more than one chunk can be ({self.max_chunk_bytes})")
         return deserialize_kv(blob, key)
