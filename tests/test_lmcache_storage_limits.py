@@ -15,8 +15,6 @@ F5. A Redis answering every write with an error (OOM under `maxmemory` + `noevic
 import logging
 import os
 import shutil
-import socket
-import subprocess
 import time
 
 import pytest
@@ -195,23 +193,11 @@ def test_redis_error_answers_are_logged_once_per_command():
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_real_redis_over_maxmemory_logs_once(tmp_path):
     "F5 on a real server: maxmemory 1 byte + noeviction refuses every SET; one warning for all of them."
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(
-        [*args, "--maxmemory", "1", "--maxmemory-policy", "noeviction"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    from test_lmcache_connector import RedisServer  # tests/ is on sys.path
+
+    server = RedisServer("--maxmemory", "1", "--maxmemory-policy", "noeviction")
     try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.05).close()
-                break
-            except OSError:
-                time.sleep(0.02)
-        remote = RemoteBackend(f"redis://127.0.0.1:{port}")
+        remote = RemoteBackend(server.url)
         records, handler = _capture(sb.logger.name)
         try:
             results = [remote.put(_key(i), CHUNK) for i in range(30)]
@@ -223,5 +209,4 @@ def test_real_redis_over_maxmemory_logs_once(tmp_path):
         assert len(records) == 1, [r.getMessage() for r in records]  # was 30
         remote.close()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()

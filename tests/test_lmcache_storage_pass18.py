@@ -14,8 +14,6 @@ import errno
 import logging
 import os
 import shutil
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -132,26 +130,13 @@ def full_redis():
     pytest.importorskip("redis")
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(
-        [*args, "--maxmemory", "1200kb", "--maxmemory-policy", "noeviction"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    from test_lmcache_connector import RedisServer  # tests/ is on sys.path
+
+    server = RedisServer("--maxmemory", "1200kb", "--maxmemory-policy", "noeviction")
     try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.05).close()
-                break
-            except OSError:
-                time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}"
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def test_full_redis_serves_and_keeps_its_chunks(full_redis):
