@@ -82,3 +82,40 @@ def test_a_clients_malformed_params_make_a_bounded_log_line(ckpt, monkeypatch, c
         assert lines and max(map(len, lines)) < 1000, [len(x) for x in lines]
     finally:
         cons.llm_engine.shutdown()
+
+
+def test_a_pull_that_never_lands_does_not_stop_the_reclaim(ckpt, monkeypatch):
+    """Pass 18: the reclaim first waited for any pull of this engine's in flight. One request whose
+    `kv_transfer_params` point at a socket that accepts and never answers then held every request for
+    `transfer_timeout_s` (30 s each, again and again). The held blocks now come back all the same."""
+    import socket
+
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # the kernel completes the TCP handshake; nobody ever reads
+    both = LLM(ckpt, dtype="float32", max_model_len=128, block_size=16, num_gpu_blocks_override=8,
+               enable_prefix_caching=False, scheduling_policy="priority",  # the forged pull queues last
+               kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_both", "kv_port": free_port(),
+                                   "kv_connector_extra_config": {"abort_timeout_s": 600, "transfer_timeout_s": 600}})
+    try:
+        engine = both.llm_engine
+        forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": hole.getsockname()[1],
+                  "remote_block_ids": [1, 2, 3], "remote_request_id": "x", "remote_engine_id": "e"}
+        engine.add_request("forged", {"prompt_token_ids": list(range(300, 334))},
+                           SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": forged}), priority=9)
+        engine.step()  # its 3 blocks reserved, its pull in flight for good
+        prefill = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"p{i}", {"prompt_token_ids": p}, prefill)
+        finished = set()
+        for _ in range(MAX_STEPS):
+            finished |= {o.request_id for o in engine.step() if o.finished}
+            if finished >= {"p0", "p1", "p2"}:
+                break
+        assert finished >= {"p0", "p1", "p2"}, f"only {sorted(finished)} finished in {MAX_STEPS} steps"
+        engine.abort_request(["forged"])
+    finally:
+        both.llm_engine.shutdown()
+        hole.close()

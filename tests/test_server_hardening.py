@@ -501,3 +501,47 @@ def test_a_request_cut_by_the_drain_gets_an_openai_503(tmp_path):
 def test_sampling_params_refusals_are_400s(real, body, param):
     "Values only SamplingParams can judge (its ValueErrors) reach the client as 400s naming the field."
     assert _error(real, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2, **body})["param"] == param
+
+
+def _listening_inode(port: int) -> str:
+    "The socket inode of the TCP socket listening on `port` (127.0.0.1 or any address), from /proc/net/tcp*."
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    return fields[9]
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def test_the_engine_process_does_not_hold_the_servers_listening_socket(tmp_path):
+    """`serve` binds its port before the engine core is forked, and a fork keeps every open file: the engine
+    held the listening socket too, so after a `kill -9` of the API server clients were accepted and reset and
+    the port stayed taken until the engine exited. The socket is closed in forked children."""
+    proc, port = _launch_serve(tmp_path, ["--max-model-len", "128"], {"MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+                               new_session=True)
+    try:
+        inode = _listening_inode(port)
+        assert inode in _socket_inodes(proc.pid)
+        children = [p for p in _group_members(proc.pid) if p != proc.pid]
+        assert children, "no engine process"
+        for child in children:
+            assert inode not in _socket_inodes(child), f"process {child} holds the listening socket"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None: proc.kill()
+        try: os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError: pass

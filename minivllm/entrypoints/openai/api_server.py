@@ -527,6 +527,8 @@ def run_server(args: Any) -> None:
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     # bound before the engine is built: a taken port fails before the model loads
     sock = create_server_socket(args.host, args.port)
+    # the engine core (and its workers) are forked after this: not theirs to keep (see below)
+    os.register_at_fork(after_in_child=sock.close)
     try:
         engine_client = AsyncLLM.from_engine_args(engine_args_from(args))
     except BaseException:

@@ -868,15 +868,14 @@ def _stop_at_unfit(self: Scheduler, request: Request) -> bool:
 def _reclaim_held_blocks(self: Scheduler) -> bool:
     """With nothing running and the queue's head unable to get blocks: ask the KV connector to free early
     the oldest finished request whose blocks it holds for a transfer (`delay_free`). True while such a
-    release is pending (its blocks come back with `finished_sending`); False with no connector, no held
-    request, or a pull of this engine's in flight. Source: minivllm's own (vLLM v0.15 waits for the
-    transfer or its timeout)."""
+    release is pending (its blocks come back with `finished_sending`); False with no connector or no held
+    request. A pull of this engine's in flight is no reason to wait: one pointed at a peer that never
+    answers held the whole engine for `transfer_timeout_s`. Source: minivllm's own (vLLM v0.15 waits for
+    the transfer or its timeout)."""
     if self.connector is None or not self.delayed_free_req_ids:
         return False
     if self._reclaiming & self.delayed_free_req_ids:
         return True  # one is on its way back
-    if any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting):
-        return False  # a pull that lands lets its request run
     for rid in sorted(self.delayed_free_req_ids, key=lambda r: self.requests[r].arrival_time):
         if self.connector.release_held_blocks(rid):
             logger.info("nothing runs and the waiting requests need blocks: freeing held request %s", rid)
