@@ -108,6 +108,41 @@ def test_full_filesystem_with_nothing_to_evict_logs_once(tmp_path):
     assert disk.num_errors == 5 and len(records) == 1, [r.getMessage() for r in records]
 
 
+def test_a_file_deletable_again_is_evicted_again(tmp_path, monkeypatch):
+    """Pass 19: a file once undeletable was skipped for good; after `chattr -i` four such files filling the cap
+    left a tier that wrote and at once evicted each new chunk. It is tried again after UNDELETABLE_RETRY_S."""
+    disk = LocalDiskBackend(tmp_path, max_bytes=4 * ONE, rescan_s=0)
+    for i in range(4):
+        disk.put(_key(i), CHUNK)
+    stuck = {disk._file(_key(i)).name for i in range(4)}
+    _stuck_unlink(monkeypatch, stuck)
+    clock = [1000.0]
+    monkeypatch.setattr(sb.time, "monotonic", lambda: clock[0])
+    disk.put(_key(10), CHUNK)  # the four refuse: the new chunk is the one evicted
+    assert not disk._file(_key(10)).exists() and set(disk._undeletable) == stuck
+    stuck.clear()  # chattr -i
+    clock[0] += sb.UNDELETABLE_RETRY_S
+    kept = []
+    for i in range(11, 15):
+        disk.put(_key(i), CHUNK)
+        kept.append(disk._file(_key(i)).exists())
+    assert kept == [True] * 4 and not disk._undeletable  # was [False] * 4: the tier stored nothing
+
+
+def test_a_full_filesystem_another_engine_filled_is_rescanned(tmp_path):
+    """Pass 19: engine A filled a shared filesystem; engine B's ENOSPC eviction looked only at its own
+    (empty) index, and the rescan that would show it A's files ran only after a successful write: B never
+    stored again. B now rescans before it gives up."""
+    a = LocalDiskBackend(tmp_path, max_bytes=100 * ONE, rescan_s=3600)
+    b = LocalDiskBackend(tmp_path, max_bytes=100 * ONE, rescan_s=3600)
+    for tier in (a, b):
+        _small_filesystem(tier, 3 * ONE)
+    for i in range(3):
+        assert a.put(_key(i), CHUNK)
+    assert [b.put(_key(i), CHUNK) for i in range(10, 13)] == [True] * 3  # was [False] * 3
+    assert b.num_errors == 0 and not any(a._file(_key(i)).exists() for i in range(3))
+
+
 def test_future_mtimes_are_evicted_in_turn(tmp_path):
     "F5: another host's 4 files dated 10 minutes ahead no longer outlive this tier's own fresh chunks."
     other = LocalDiskBackend(tmp_path, max_bytes=100 * ONE)

@@ -233,10 +233,8 @@ class P2pZmqConnectorScheduler:
         self._held.difference_update(connector_output.finished_sending or ())
 
     def release_held_blocks(self, request_id: str) -> bool:
-        """Ask the worker to free held `request_id` now (see `KVConnectorBase_V1.release_held_blocks`). Only
-        a `kv_both` engine gives held blocks back: its own decodes may be what would pull them. A plain
-        producer's consumers are other engines that pull on their own; it waits for them (or
-        `abort_timeout_s`), as vLLM's producers do."""
+        """Ask the worker to free held `request_id` now (`KVConnectorBase_V1.release_held_blocks`); only a
+        `kv_both` engine does (a plain producer waits for its consumers, other engines, as vLLM's do)."""
         if not self.is_consumer or request_id not in self._held:
             return False
         self._held.discard(request_id)

@@ -33,8 +33,8 @@ from minivllm.distributed.kv_transfer.kv_connector.v1.lmcache_integration.utils 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'KV_DTYPES', 'key_digest', 'serialize_kv', 'deserialize_kv', 'max_chunk_bytes', 'LocalCPUBackend',
-           'LocalDiskBackend', 'RemoteBackend', 'StorageManager']
+__all__ = ['logger', 'KV_DTYPES', 'UNDELETABLE_RETRY_S', 'key_digest', 'serialize_kv', 'deserialize_kv', 'max_chunk_bytes',
+           'LocalCPUBackend', 'LocalDiskBackend', 'RemoteBackend', 'StorageManager']
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #e90d8a17
 _MAGIC = b"MVLMC1"
@@ -237,7 +237,7 @@ class LocalDiskBackend:
         self._unsearchable = False  # the folder refused a lookup (logged once)
         self._folder_lost = False  # the folder vanished and could not be made again (logged once)
         self._write_failing = False  # a write failed (logged once until one succeeds)
-        self._undeletable: set[str] = set()  # files eviction could not delete: skipped, their bytes counted
+        self._undeletable: dict[str, float] = {}  # files eviction could not delete -> when (monotonic)
         self._future: dict[str, float] = {}  # files with an mtime ahead of the clock -> when first seen
         self._lock = threading.Lock()
         self._sweep_stale_tmp()
@@ -373,7 +373,8 @@ def put(self: LocalDiskBackend, key: CacheEngineKey, kv: torch.Tensor) -> bool:
 def _store(self: LocalDiskBackend, f: Path, blob: bytes) -> bool:
     """Write `blob` as `f`; False if the folder vanished and cannot be made again. A full filesystem (ENOSPC,
     EDQUOT: it may be smaller than `max_bytes`, or shared) evicts least recently used files, `len(blob)`
-    bytes' worth, and tries once more. `OSError` otherwise, or if nothing could be evicted."""
+    bytes' worth (after a rescan if its own index holds none: another engine on the folder filled it), and
+    tries once more. `OSError` otherwise, or if nothing could be evicted."""
     try:
         try:
             self._write(f, blob)
@@ -386,6 +387,10 @@ def _store(self: LocalDiskBackend, f: Path, blob: bytes) -> bool:
             raise
         with self._lock:
             freed = self._evict(len(blob))
+        if not freed:  # its index may not know the folder's other writers, who filled it: look, once more
+            self._rescan()
+            with self._lock:
+                freed = self._evict(len(blob))
         if not freed:
             raise
         self._write(f, blob)
@@ -398,19 +403,24 @@ def _evict_over_cap(self: LocalDiskBackend) -> None:
     self._evict(self.used_bytes - self.max_bytes)
 
 
+UNDELETABLE_RETRY_S = 10.0  # a file eviction could not delete is tried again after this long
+
+
 @patch
 def _evict(self: LocalDiskBackend, need: int) -> int:
     """Delete least recently used files until `need` bytes are freed or none is left to try; returns the
     bytes freed (the caller holds `_lock`). A file whose unlink fails (EPERM: immutable, or another user's
-    in a sticky folder; EACCES; EROFS) stays in the index with its bytes counted, is skipped by every later
-    eviction, and is logged once; eviction goes on with the next file. Never raises."""
-    freed, refused = 0, []
+    in a sticky folder; EACCES; EROFS) stays in the index with its bytes counted, is logged once and skipped
+    for `UNDELETABLE_RETRY_S`, then tried again (an attribute removed, a folder remounted: skipping it for
+    good once left a tier whose cap such files filled storing nothing); eviction goes on with the next
+    file. Never raises."""
+    freed, refused, now = 0, [], time.monotonic()
     while freed < need:
         victims, want = [], need - freed
         for name, size in self._index.items():  # oldest first; stops once enough bytes are picked
             if want <= 0:
                 break
-            if name not in self._undeletable:
+            if now - self._undeletable.get(name, -UNDELETABLE_RETRY_S) >= UNDELETABLE_RETRY_S:
                 victims.append(name)
                 want -= size
         if not victims:
@@ -419,9 +429,11 @@ def _evict(self: LocalDiskBackend, need: int) -> int:
             try:
                 (self.path / name).unlink(missing_ok=True)
             except OSError as e:
-                self._undeletable.add(name)
-                refused.append(f"{name} ({e.strerror})")
+                if name not in self._undeletable:  # logged the first time only
+                    refused.append(f"{name} ({e.strerror})")
+                self._undeletable[name] = now
                 continue
+            self._undeletable.pop(name, None)  # deletable again (chattr -i, a remount)
             size = self._index.pop(name)
             self.used_bytes -= size
             freed += size
@@ -494,7 +506,7 @@ def _recreate_folder(self: LocalDiskBackend) -> bool:
     index = _scan_chunks(self.path, future=self._future)
     with self._lock:
         self._index, self.used_bytes = index, sum(index.values())
-        self._undeletable &= index.keys()
+        self._undeletable = {n: t for n, t in self._undeletable.items() if n in index}
     return True
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #2c031e4c
@@ -514,7 +526,7 @@ def _rescan(self: LocalDiskBackend) -> None:
     found = _scan_chunks(self.path, rank, self._future)  # outside the lock: lookups do not wait for it
     with self._lock:
         self._index, self.used_bytes = found, sum(found.values())
-        self._undeletable &= found.keys()  # one deleted by hand meanwhile is no longer remembered
+        self._undeletable = {n: t for n, t in self._undeletable.items() if n in found}  # gone: forgotten
 
 # %% ../../../../../../nbs/48a_lmcache_storage.ipynb #b1145b44
 class RemoteBackend:
