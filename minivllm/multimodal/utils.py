@@ -32,6 +32,12 @@ def _max_image_pixels() -> int:
     return int(env_value("MINIVLLM_MAX_IMAGE_PIXELS"))
 
 
+def _too_many_bytes(field: str, size: int, limit: int) -> ValueError:
+    return ValueError(
+        f"{field}: the image has {size} bytes; at most {limit} are allowed (MINIVLLM_MAX_IMAGE_BYTES)."
+    )
+
+
 def _too_many_pixels(field: str, size: str) -> ValueError:
     return ValueError(
         f"{field}: the image is {size}; at most {_max_image_pixels()} pixels are allowed "
@@ -59,10 +65,7 @@ def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
 
     limit = _max_image_bytes()
     if len(data) > limit:
-        raise ValueError(
-            f"{field}: the image has {len(data)} bytes; at most {limit} are allowed "
-            "(MINIVLLM_MAX_IMAGE_BYTES)."
-        )
+        raise _too_many_bytes(field, len(data), limit)
     Image.init()  # registers every plugin: open(formats=...) fails on a name not registered yet
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # parses the header, decodes nothing
@@ -81,6 +84,23 @@ def load_image_bytes(data: bytes, field: str = "image") -> MediaWithBytes:
     return MediaWithBytes(Image.open(io.BytesIO(data), formats=IMAGE_FORMATS), bytes(data))
 
 # %% ../../nbs/25f_mm_utils.ipynb #9f87cffb
+def _read_local_image(path: Path, field: str) -> bytes:
+    """The bytes of image file `path`, reading at most `MINIVLLM_MAX_IMAGE_BYTES` + 1 of them: a larger file
+    is refused from its size, unread (an 800 MB file in the media folder was read whole, then refused)."""
+    limit = _max_image_bytes()
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise _too_many_bytes(field, size, limit)
+            data = f.read(limit + 1)  # a file that grew meanwhile, or whose size is not its length
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path} ({e.strerror})") from None
+    if len(data) > limit:
+        raise _too_many_bytes(field, len(data), limit)
+    return data
+
+
 def fetch_image(
     url: str, allowed_local_media_path: str | None = None, field: str = "image_url"
 ) -> MediaWithBytes:
@@ -108,13 +128,18 @@ def fetch_image(
     if scheme == "file":
         if not allowed_local_media_path:
             raise ValueError(f"{field}: file:// URLs need the server's --allowed-local-media-path")
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):  # file://imgs/cat.png is host "imgs", path /cat.png
+            raise ValueError(f"{field}: a file URL is file:///absolute/path; got host {parsed.netloc[:64]!r}")
         root = Path(allowed_local_media_path).resolve()
-        path = Path(unquote(urlparse(url).path)).resolve()
-        if root not in path.parents:
+        path = Path(unquote(parsed.path)).resolve()
+        if path != root and root not in path.parents:
             raise ValueError(f"{field}: {path} is not inside the allowed local media path {root}")
         if not path.is_file():
-            raise ValueError(f"{field}: no such file {path}")
-        return load_image_bytes(path.read_bytes(), field)
+            raise ValueError(
+                f"{field}: {path} is {'a folder' if path.is_dir() else 'no file'}, not an image file"
+            )
+        return load_image_bytes(_read_local_image(path, field), field)
     raise ValueError(
         f"{field}: unsupported URL scheme {scheme!r} "
         "(use a data: URL, or file:// with --allowed-local-media-path)"
