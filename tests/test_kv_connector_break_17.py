@@ -119,3 +119,40 @@ def test_a_pull_that_never_lands_does_not_stop_the_reclaim(ckpt, monkeypatch):
     finally:
         both.llm_engine.shutdown()
         hole.close()
+
+
+def test_loads_that_never_land_do_not_hold_back_requests_that_fit(ckpt, monkeypatch):
+    """Pass 19: two requests whose pulls go to a peer that never answers hold 6 of 7 usable blocks for
+    `transfer_timeout_s`; nothing runs and the head (3 blocks) does not fit. Only requests holding blocks
+    could pass it, so small requests that fitted the free block waited the whole timeout too. While loads are
+    in flight, any request that fits now runs."""
+    import socket
+
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    cons = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                       "kv_connector_extra_config": {"transfer_timeout_s": 600}}, blocks=8)
+    try:
+        engine = cons.llm_engine
+        for i in range(2):
+            forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": hole.getsockname()[1],
+                      "remote_block_ids": [1, 2, 3], "remote_request_id": f"x{i}", "remote_engine_id": "e"}
+            engine.add_request(f"forged{i}", {"prompt_token_ids": list(range(300 + 50 * i, 340 + 50 * i))},
+                               SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": forged}))
+        engine.step()  # 6 blocks reserved, both pulls in flight for good
+        greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        engine.add_request("head", {"prompt_token_ids": PROMPTS[0]}, greedy)  # 3 blocks: does not fit
+        engine.add_request("small", {"prompt_token_ids": list(range(450, 460))}, greedy)  # 1 block: fits
+        finished = set()
+        for _ in range(MAX_STEPS):
+            finished |= {o.request_id for o in engine.step() if o.finished}
+            if "small" in finished:
+                break
+        assert "small" in finished, f"only {sorted(finished)} finished in {MAX_STEPS} steps"
+        assert "head" not in finished  # it still waits for blocks
+        engine.abort_request(["forged0", "forged1", "head"])
+    finally:
+        cons.llm_engine.shutdown()
+        hole.close()

@@ -649,7 +649,8 @@ def _schedule_waiting(
         if new_blocks is None:
             if self._stop_at_unfit(request):
                 break
-            holders_only = True  # nothing runs: let the holders behind it pass it, this step
+            # nothing runs: let the holders behind it pass it, this step (anyone, while loads are in flight)
+            holders_only = not self._loads_in_flight()
             skipped.add_request(self.waiting.pop_request())
             continue
         if self.connector is not None:
@@ -864,6 +865,15 @@ def _stop_at_unfit(self: Scheduler, request: Request) -> bool:
     return False
 
 # %% ../../../../nbs/23_scheduler.ipynb #c628b7a9
+@patch
+def _loads_in_flight(self: Scheduler) -> bool:
+    "Whether a request's asynchronous KV load is still in flight (its blocks come back only when it ends)."
+    return any(
+        r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in self.finished_recving_kv_req_ids
+        for rid, r in self.requests.items()
+    )
+
+
 @patch
 def _reclaim_held_blocks(self: Scheduler) -> bool:
     """With nothing running and the queue's head unable to get blocks: ask the KV connector to free early
