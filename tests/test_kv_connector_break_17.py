@@ -14,6 +14,7 @@ from test_kv_connector_pd import free_port
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_checkpoint
+from minivllm.v1.request import RequestStatus
 
 MAX_STEPS = 200  # the fix admits the third prompt within a few steps; the stall schedules nothing for 600 s
 PROMPTS = [list(range(5 + 50 * i, 5 + 50 * i + 40)) for i in range(3)]  # 3 blocks of 16 each
@@ -153,6 +154,53 @@ def test_loads_that_never_land_do_not_hold_back_requests_that_fit(ckpt, monkeypa
         assert "small" in finished, f"only {sorted(finished)} finished in {MAX_STEPS} steps"
         assert "head" not in finished  # it still waits for blocks
         engine.abort_request(["forged0", "forged1", "head"])
+    finally:
+        cons.llm_engine.shutdown()
+        hole.close()
+
+
+def test_new_loads_do_not_pass_a_head_waiting_for_blocks(ckpt, monkeypatch):
+    """Pass 20: with rule 5 as first written, every request that fitted passed an unfit head while loads were
+    in flight, new pulls included: a stream of small pulls took each block a timed-out pull gave back and the
+    head waited as long as the stream lasted (62 s). A request that would start a new load now stays behind
+    the head; the head runs once the loads' blocks come back."""
+    import socket
+
+    monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    cons = _llm(ckpt, {"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+                       "kv_connector_extra_config": {"transfer_timeout_s": 600}}, blocks=8)
+
+    def forged(i, n):
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": hole.getsockname()[1],
+                  "remote_block_ids": list(range(1, 1 + -(-n // 16))), "remote_request_id": f"x{i}",
+                  "remote_engine_id": "e"}
+        return {"prompt_token_ids": list(range(300 + 40 * i, 300 + 40 * i + n))}, SamplingParams(
+            max_tokens=2, extra_args={"kv_transfer_params": params})
+
+    try:
+        engine = cons.llm_engine
+        sched = engine.engine_core.engine_core.scheduler
+        for i in range(2):
+            engine.add_request(f"forged{i}", *forged(i, 40))
+        engine.step()  # 6 of 7 blocks reserved by loads that never land
+        engine.add_request("head", {"prompt_token_ids": PROMPTS[0]},
+                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        engine.add_request("newload", *forged(5, 10))  # one block: it would fit, and keep it from the head
+        for _ in range(20):
+            engine.step()
+        (newload,) = [r for rid, r in sched.requests.items() if rid.startswith("newload")]
+        assert newload.status == RequestStatus.WAITING, newload.status  # was WAITING_FOR_REMOTE_KVS
+        engine.abort_request(["forged0", "forged1"])
+        finished = set()
+        for _ in range(MAX_STEPS):
+            finished |= {o.request_id for o in engine.step() if o.finished}
+            if "head" in finished:
+                break
+        assert "head" in finished, f"only {sorted(finished)} finished in {MAX_STEPS} steps"
+        engine.abort_request(["newload"])
     finally:
         cons.llm_engine.shutdown()
         hole.close()

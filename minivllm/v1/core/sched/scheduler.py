@@ -616,6 +616,7 @@ def _schedule_waiting(
     skipped = create_request_queue(self.policy)  # appended in queue order, put back in front in that order
     scheduled_loras = self._scheduled_lora_ids(num_scheduled_tokens)
     holders_only = False  # the head waits for blocks that only requests in the queue hold
+    head_unfit = False  # a head was set aside: a new asynchronous load may not take the blocks it waits for
     while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
         request = self.waiting.peek_request()
         if self._set_aside(request, holders_only, scheduled_loras, skipped):
@@ -626,6 +627,9 @@ def _schedule_waiting(
             skipped.add_request(self.waiting.pop_request())
             continue
         computed_blocks, num_local, num_external, load_async = hit
+        if head_unfit and load_async and request.num_computed_tokens == 0:
+            skipped.add_request(self.waiting.pop_request())
+            continue
         num_computed = num_local + num_external
         num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, token_budget)
         encoder_inputs, num_new_tokens, encoder_budget, external_inputs = self._try_schedule_encoder_inputs(
@@ -650,7 +654,7 @@ def _schedule_waiting(
             if self._stop_at_unfit(request):
                 break
             # nothing runs: let the holders behind it pass it, this step (anyone, while loads are in flight)
-            holders_only = not self._loads_in_flight()
+            holders_only, head_unfit = not self._loads_in_flight(), True
             skipped.add_request(self.waiting.pop_request())
             continue
         if self.connector is not None:

@@ -440,8 +440,9 @@ def _evict(self: LocalDiskBackend, need: int) -> int:
             self.num_evictions += 1
     if refused:
         logger.warning(
-            "LocalDiskBackend: cannot evict %s; kept (still counted against the cap), skipped from now on",
+            "LocalDiskBackend: cannot evict %s; kept (still counted against the cap), tried again in %.0f s",
             ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else ""),
+            UNDELETABLE_RETRY_S,
         )
     return freed
 
